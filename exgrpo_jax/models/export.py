@@ -1,0 +1,69 @@
+"""Writing our parameters as a Hugging Face directory that transformers loads.
+
+`save_pretrained(cfg, params, dst)` writes config.json, generation_config.json and
+safetensors (sharded with an index above `max_shard_bytes`), inverting the key table;
+`tokenizer_src` (an HF directory or .gguf) adds the tokenizer files.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import hf_keys
+from exgrpo_jax.models import loading
+from exgrpo_jax.models import safetensors_io
+
+
+def hf_state_dict(cfg: config_lib.ModelConfig, params, dtype: str | None = None):
+  """Yields (HF name, numpy array) for every tensor, one at a time."""
+  np_dtype = np.dtype(config_lib.dtype_from_name(dtype)) if dtype else None
+  for template, path, layout in hf_keys.key_table(cfg):
+    array = params
+    for key in path:
+      array = array[key]
+    array = np.asarray(jax.device_get(array))
+    if np_dtype is not None:
+      array = array.astype(np_dtype)
+    names = hf_keys.hf_names(template, cfg.num_layers)
+    for i, name in enumerate(names):
+      yield name, np.ascontiguousarray(hf_keys.to_hf(array[i] if "{i}" in template
+                                                     else array, layout))
+
+
+def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | None = None,
+                    tokenizer_src: str | None = None, max_shard_bytes: int = 5 * 2**30):
+  """Writes an HF model directory; returns its path."""
+  os.makedirs(dst, exist_ok=True)
+  dtype = dtype or cfg.param_dtype
+  shards, current, size = [], {}, 0
+  for name, array in hf_state_dict(cfg, params, dtype):
+    if current and size + array.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = array
+    size += array.nbytes
+  shards.append(current)
+  if len(shards) == 1:
+    safetensors_io.save_file(shards[0], os.path.join(dst, "model.safetensors"),
+                             metadata={"format": "pt"})
+  else:
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+      filename = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+      safetensors_io.save_file(shard, os.path.join(dst, filename), metadata={"format": "pt"})
+      weight_map.update({name: filename for name in shard})
+      total += sum(a.nbytes for a in shard.values())
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  with open(os.path.join(dst, "config.json"), "w") as f:
+    json.dump(config_lib.to_hf_config(cfg, torch_dtype=dtype), f, indent=2)
+  generation = {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+                "eos_token_id": list(cfg.eos_token_id) or None}
+  with open(os.path.join(dst, "generation_config.json"), "w") as f:
+    json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
+  if tokenizer_src:
+    loading.load_tokenizer(tokenizer_src).save_pretrained(dst)
+  return dst

@@ -1,0 +1,78 @@
+"""`Policy`: a model config plus its parameters, callable on token ids.
+
+The functional core is `apply(cfg, params, tokens_BxT, ...)` (what jitted train and
+sampling steps call); `Policy` bundles a config with params for interactive use:
+
+  policy = models.from_pretrained(path)
+  logits_BxTxV = policy(input_ids_BxT)            # float32
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import transformer
+
+Params = Any
+
+
+@functools.lru_cache(maxsize=32)
+def module(cfg: config_lib.ModelConfig) -> transformer.Transformer:
+  return transformer.Transformer(cfg)
+
+
+def apply(cfg, params, tokens_BxT, valid_BxT=None, cache=None, return_hidden=False):
+  """Runs the model; returns (logits [B,T,V] float32 or hidden [B,T,D], cache)."""
+  return module(cfg).apply({"params": params}, tokens_BxT, valid_BxT, cache, return_hidden)
+
+
+def unembedding(cfg, params) -> jax.Array:
+  """The [D, V] output projection (the transposed embedding when tied)."""
+  return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def _init_boxed(cfg, rng):
+  return module(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def init_params(cfg: config_lib.ModelConfig, rng: jax.Array) -> Params:
+  """Random parameters (for tests and random-init benchmarks)."""
+  return nn.unbox(jax.jit(functools.partial(_init_boxed, cfg))(rng))
+
+
+def abstract_params(cfg: config_lib.ModelConfig) -> Params:
+  """ShapeDtypeStructs of the parameter tree, without allocating it."""
+  return nn.unbox(jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0)))
+
+
+def logical_axes(cfg: config_lib.ModelConfig) -> Params:
+  """The logical axis names of every parameter, e.g. ('layers', 'embed', 'mlp')."""
+  boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+  return nn.get_partition_spec(boxed)
+
+
+@dataclasses.dataclass
+class Policy:
+  """A decoder config and its parameters. `policy(ids)` gives float32 logits."""
+
+  config: config_lib.ModelConfig
+  params: Params
+  source: str | None = None
+
+  def __call__(self, input_ids_BxT, valid_BxT=None) -> jax.Array:
+    logits, _ = _jitted_logits(self.config, self.params, jnp.asarray(input_ids_BxT),
+                               None if valid_BxT is None else jnp.asarray(valid_BxT))
+    return logits
+
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.params))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_logits(cfg, params, tokens_BxT, valid_BxT):
+  return apply(cfg, params, tokens_BxT, valid_BxT)

@@ -1,0 +1,261 @@
+"""The decoder-only policy model (Llama / Qwen2 / SmolLM2) in Flax Linen.
+
+Why Linen and not NNX: parameters are a plain nested dict, so the HF key table, optax,
+Orbax, the sharding rules and the sampler's weight hand-off all work on one ordinary
+pytree, and the jitted train step is a pure function of (params, batch). Every parameter
+carries logical axis names (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`,
+`norm`, `layers`); `exgrpo_jax.sharding` maps them to a device mesh. Layers are stacked
+with `nn.scan` (one compiled layer body, fast compiles for 30+ layers) and optionally
+rematerialised.
+
+Attention takes an explicit `KVCache` so the sampler can prefill and decode with the same
+module the learner trains; without a cache it is ordinary causal self-attention over the
+valid tokens of a (left- or right-) padded batch.
+"""
+
+import math
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from exgrpo_jax.models import config as config_lib
+
+_NEG_INF = float(jnp.finfo(jnp.float32).min)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys/values of every layer for S slots, and which slots hold real tokens.
+
+  k_LxBxSxKxDh, v_LxBxSxKxDh: cached keys and values (compute dtype).
+  valid_BxS: True where a slot holds a real (non-padding) token.
+  index: the next slot to write (same for the whole batch).
+  """
+
+  k_LxBxSxKxDh: jax.Array
+  v_LxBxSxKxDh: jax.Array
+  valid_BxS: jax.Array
+  index: jax.Array
+
+  @classmethod
+  def zeros(cls, cfg: config_lib.ModelConfig, batch: int, slots: int) -> "KVCache":
+    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    dtype = config_lib.dtype_from_name(cfg.dtype)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+               jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
+
+
+def rope_inv_freq(cfg: config_lib.ModelConfig) -> jax.Array:
+  """RoPE inverse frequencies [Dh/2], with the llama3 long-context rule if configured."""
+  dh = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  scaling = cfg.rope_scaling_dict
+  if not scaling:
+    return inv_freq
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old_len = scaling["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths are slowed down by `factor`, short ones kept, the band between
+  # them interpolated smoothly (Llama 3.1 release).
+  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  interpolated = (1 - smooth) * scaled / factor + smooth * scaled
+  in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.where(in_band, interpolated, scaled)
+
+
+def apply_rope(x_BxTxNxDh, positions_BxT, inv_freq):
+  """Rotates the two halves of each head (the HF `rotate_half` convention)."""
+  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.concatenate([jnp.cos(angles_BxTxF)] * 2, axis=-1)[:, :, None, :]
+  sin = jnp.concatenate([jnp.sin(angles_BxTxF)] * 2, axis=-1)[:, :, None, :]
+  x1, x2 = jnp.split(x_BxTxNxDh, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  dtype = x_BxTxNxDh.dtype
+  return x_BxTxNxDh * cos.astype(dtype) + rotated * sin.astype(dtype)
+
+
+def _param(module, name, init, shape, axes, dtype):
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+  cfg: config_lib.ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    cfg = self.cfg
+    scale_D = _param(self, "scale", nn.initializers.ones, (cfg.hidden_size,), ("norm",),
+                     config_lib.dtype_from_name(cfg.param_dtype))
+    x32 = x_BxTxD.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    dtype = config_lib.dtype_from_name(cfg.dtype)
+    return scale_D.astype(dtype) * x32.astype(dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention with RoPE, optional q/k/v bias and an optional KV cache."""
+
+  cfg: config_lib.ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_kv):
+    cfg = self.cfg
+    pdt = config_lib.dtype_from_name(cfg.param_dtype)
+    dt = config_lib.dtype_from_name(cfg.dtype)
+    D, H, K, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    init = nn.initializers.normal(0.02)
+
+    def project(name, n_heads, head_axis):
+      w = _param(self, name, init, (D, n_heads, Dh), ("embed", head_axis, "head_dim"), pdt)
+      y = jnp.einsum("btd,dnh->btnh", x_BxTxD, w.astype(dt))
+      if cfg.attention_bias:
+        b = _param(self, name + "_bias", nn.initializers.zeros, (n_heads, Dh),
+                   (head_axis, "head_dim"), pdt)
+        y = y + b.astype(dt)
+      return y
+
+    inv_freq = rope_inv_freq(cfg)
+    q_BxTxHxDh = apply_rope(project("q_proj", H, "heads"), positions_BxT, inv_freq)
+    k_BxTxKxDh = apply_rope(project("k_proj", K, "kv_heads"), positions_BxT, inv_freq)
+    v_BxTxKxDh = project("v_proj", K, "kv_heads")
+
+    if cache_kv is not None:
+      cache_k, cache_v, index = cache_kv
+      k_BxSxKxDh = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxTxKxDh, index, axis=1)
+      v_BxSxKxDh = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxTxKxDh, index, axis=1)
+      new_kv = (k_BxSxKxDh, v_BxSxKxDh)
+    else:
+      k_BxSxKxDh, v_BxSxKxDh, new_kv = k_BxTxKxDh, v_BxTxKxDh, None
+
+    B, T = x_BxTxD.shape[:2]
+    q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxDh, k_BxSxKxDh,
+                        preferred_element_type=jnp.float32) / math.sqrt(Dh)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out_BxTxKxGxDh = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxDh)
+    out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, H, Dh)
+    w_o = _param(self, "o_proj", init, (H, Dh, D), ("heads", "head_dim", "embed"), pdt)
+    return jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)), new_kv
+
+
+class MLP(nn.Module):
+  cfg: config_lib.ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    cfg = self.cfg
+    pdt = config_lib.dtype_from_name(cfg.param_dtype)
+    dt = config_lib.dtype_from_name(cfg.dtype)
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    init = nn.initializers.normal(0.02)
+    gate = _param(self, "gate_proj", init, (D, F), ("embed", "mlp"), pdt)
+    up = _param(self, "up_proj", init, (D, F), ("embed", "mlp"), pdt)
+    down = _param(self, "down_proj", init, (F, D), ("mlp", "embed"), pdt)
+    h_BxTxF = (nn.silu(jnp.einsum("btd,df->btf", x_BxTxD, gate.astype(dt)))
+               * jnp.einsum("btd,df->btf", x_BxTxD, up.astype(dt)))
+    return jnp.einsum("btf,fd->btd", h_BxTxF, down.astype(dt))
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block; the scan carry is the residual stream, the scanned input the cache."""
+
+  cfg: config_lib.ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask_BxTxS):
+    attn_out, new_kv = Attention(self.cfg, name="attn")(
+        RMSNorm(self.cfg, name="input_norm")(x_BxTxD), positions_BxT, mask_BxTxS,
+        layer_cache)
+    x_BxTxD = x_BxTxD + attn_out
+    x_BxTxD = x_BxTxD + MLP(self.cfg, name="mlp")(
+        RMSNorm(self.cfg, name="post_attn_norm")(x_BxTxD))
+    return x_BxTxD, new_kv
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Transformer(nn.Module):
+  """Embedding, L scanned decoder layers, final norm and (tied or untied) LM head."""
+
+  cfg: config_lib.ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    pdt = config_lib.dtype_from_name(cfg.param_dtype)
+    self.embedding_VxD = _param(self, "embed", nn.initializers.normal(1.0),
+                                (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pdt)
+    if not cfg.tie_word_embeddings:
+      self.lm_head_DxV = _param(self, "lm_head", nn.initializers.normal(0.02),
+                                (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pdt)
+    layer_cls = DecoderLayer
+    if cfg.remat != "none":
+      layer_cls = nn.remat(layer_cls, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    self.layers = nn.scan(
+        layer_cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast),
+        length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg, name="layers")
+    self.final_norm = RMSNorm(cfg)
+
+  def unembedding(self):
+    """The [D, V] matrix that maps final hidden states to logits."""
+    return self.embedding_VxD.T if self.cfg.tie_word_embeddings else self.lm_head_DxV
+
+  def __call__(self, tokens_BxT, valid_BxT=None, cache: KVCache | None = None,
+               return_hidden: bool = False):
+    """Runs the decoder.
+
+    Args:
+      tokens_BxT: int token ids.
+      valid_BxT: bool, False on padding (default: all valid). Positions count valid
+        tokens only, so left padding does not shift a prompt's positions.
+      cache: if given, the T tokens are written at slots [index, index+T) and attend to
+        every valid earlier slot; the updated cache is returned.
+      return_hidden: return final-norm hidden states [B, T, D] instead of logits.
+
+    Returns:
+      (float32 logits [B, T, V] or hidden states, updated cache or None).
+    """
+    cfg = self.cfg
+    dt = config_lib.dtype_from_name(cfg.dtype)
+    if valid_BxT is None:
+      valid_BxT = jnp.ones(tokens_BxT.shape, bool)
+    B, T = tokens_BxT.shape
+    x_BxTxD = jnp.take(self.embedding_VxD, tokens_BxT, axis=0).astype(dt)
+
+    if cache is None:
+      positions_BxT = jnp.maximum(jnp.cumsum(valid_BxT, axis=1) - 1, 0)
+      causal_TxT = jnp.tril(jnp.ones((T, T), bool))
+      mask_BxTxS = causal_TxT[None] & valid_BxT[:, None, :]
+      layer_caches, new_cache = None, None
+    else:
+      valid_BxS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BxS, valid_BxT,
+                                                      cache.index, axis=1)
+      slot_S = jnp.arange(valid_BxS.shape[1])
+      query_slot_T = cache.index + jnp.arange(T)
+      positions_BxS = jnp.maximum(jnp.cumsum(valid_BxS, axis=1) - 1, 0)
+      positions_BxT = jax.lax.dynamic_slice_in_dim(positions_BxS, cache.index, T, axis=1)
+      mask_BxTxS = (slot_S[None, :] <= query_slot_T[:, None])[None] & valid_BxS[:, None, :]
+      layer_caches = (cache.k_LxBxSxKxDh, cache.v_LxBxSxKxDh,
+                      jnp.broadcast_to(cache.index, (cfg.num_layers,)))
+
+    x_BxTxD, new_kv = self.layers(x_BxTxD, layer_caches, positions_BxT, mask_BxTxS)
+    if cache is not None:
+      new_cache = KVCache(new_kv[0], new_kv[1], valid_BxS, cache.index + T)
+    h_BxTxD = self.final_norm(x_BxTxD)
+    if return_hidden:
+      return h_BxTxD, new_cache
+    logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, self.unembedding().astype(dt),
+                              preferred_element_type=jnp.float32)
+    return logits_BxTxV, new_cache
