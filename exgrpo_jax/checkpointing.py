@@ -1,0 +1,109 @@
+"""Orbax checkpoints of a training run: everything needed to continue exactly.
+
+Layout: `<workdir>/checkpoints/<step>/` with four items, written with the current
+`ocp.args` API through one `CheckpointManager` (keep-last-N, atomic step directories):
+
+  params  the policy parameters (restorable alone, for export and evaluation)
+  opt     optimizer state, step counter and PRNG key data
+  host    host-side arrays: the replay buffer's contents
+  meta    JSON: model config, run config, data-stream state, buffer scalars and RNG
+          state, the delayed-start flag, the tokenizer source
+
+Resume order (the trainer's): (1) the workdir's latest checkpoint; (2) the model path
+in the config.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from exgrpo_jax.models import config as config_lib
+
+ITEMS = ("params", "opt", "host", "meta")
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+class CheckpointStore:
+  """Saves and restores training state under `<workdir>/checkpoints`."""
+
+  def __init__(self, workdir: str, keep: int = 2):
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=False)
+    self._manager = ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
+                                          item_names=ITEMS)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, params, opt, host: dict, meta: dict) -> None:
+    """Writes one checkpoint (blocking, so a SIGTERM handler can rely on it)."""
+    host = {k: np.asarray(v) for k, v in host.items()} or {"empty": np.zeros(())}
+    self._manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        opt=ocp.args.StandardSave(opt),
+        host=ocp.args.StandardSave(host),
+        meta=ocp.args.JsonSave(meta)), force=True)
+    self._manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_params, abstract_opt):
+    """Returns (params, opt, host, meta); params/opt follow the abstract trees' shardings."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_params),
+        opt=ocp.args.StandardRestore(abstract_opt),
+        host=ocp.args.StandardRestore(),
+        meta=ocp.args.JsonRestore()))
+    host = {k: np.asarray(v) for k, v in restored.host.items() if k != "empty"}
+    return restored.params, restored.opt, host, restored.meta
+
+  def close(self):
+    self._manager.close()
+
+
+def model_config_to_json(cfg: config_lib.ModelConfig) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def model_config_from_json(d: dict) -> config_lib.ModelConfig:
+  d = dict(d)
+  d["eos_token_id"] = tuple(d.get("eos_token_id") or ())
+  if d.get("rope_scaling"):
+    d["rope_scaling"] = tuple((k, v) for k, v in d["rope_scaling"])
+  return config_lib.ModelConfig(**d)
+
+
+def _step_dir(path: str) -> str | None:
+  """The step directory `path` names (a workdir, its checkpoints dir, or a step dir)."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, "meta")) and os.path.isdir(os.path.join(path, "params")):
+    return path
+  for candidate in (checkpoint_dir(path), path):
+    if os.path.isdir(candidate):
+      steps = [int(d) for d in os.listdir(candidate) if d.isdigit()
+               and os.path.isdir(os.path.join(candidate, d, "meta"))]
+      if steps:
+        return os.path.join(candidate, str(max(steps)))
+  return None
+
+
+def is_training_checkpoint(path: str) -> bool:
+  return os.path.isdir(path) and _step_dir(path) is not None
+
+
+def load_policy_for_export(path: str):
+  """(ModelConfig, params as numpy, tokenizer source) from a workdir or step directory."""
+  step_dir = _step_dir(path)
+  if step_dir is None:
+    raise FileNotFoundError(f"{path}: no exgrpo_jax checkpoint found")
+  with open(os.path.join(step_dir, "meta", "metadata")) as f:
+    meta = json.load(f)
+  checkpointer = ocp.StandardCheckpointer()
+  params = checkpointer.restore(os.path.join(step_dir, "params"))
+  params = jax.tree.map(np.asarray, params)
+  return model_config_from_json(meta["model_config"]), params, meta["tokenizer_source"]

@@ -1,0 +1,46 @@
+"""Exports a model to a Hugging Face directory that transformers loads.
+
+  python -m exgrpo_jax.convert --src PATH --dst HF_DIR [--dtype bfloat16]
+
+PATH is a .gguf file, an HF directory, or one of our training workdirs / checkpoint
+step directories (the latest step is used for a workdir). The tokenizer files are
+copied along.
+"""
+
+import argparse
+import sys
+
+from exgrpo_jax import models
+
+
+def _load(src: str, dtype: str | None):
+  """(ModelConfig, params, tokenizer source) for any supported source."""
+  from exgrpo_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  if checkpointing.is_training_checkpoint(src):
+    return checkpointing.load_policy_for_export(src)
+  policy = models.from_pretrained(src, dtype=dtype or "float32")
+  return policy.config, policy.params, src
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m exgrpo_jax.convert",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--src", required=True,
+                      help=".gguf file, HF directory, or exgrpo_jax workdir/checkpoint")
+  parser.add_argument("--dst", required=True, help="output HF directory")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="tensor dtype to write (default: the source's)")
+  args = parser.parse_args(argv)
+  try:
+    cfg, params, tokenizer_src = _load(args.src, args.dtype)
+    models.save_pretrained(cfg, params, args.dst, dtype=args.dtype,
+                           tokenizer_src=tokenizer_src)
+  except (FileNotFoundError, ValueError, ImportError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(f"wrote {args.dst} ({cfg.model_type}, {cfg.num_params() / 1e6:.1f}M parameters)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,25 @@
+"""Shared pytest fixtures: paths to the real data and model, tiny HF checkpoints."""
+
+import os
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(os.path.dirname(REPO_ROOT), "shared", "data")
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir():
+  if not os.path.isdir(SHARED_DATA):
+    pytest.skip(f"real data directory {SHARED_DATA} is not present")
+  return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir():
+  """HF directory of the embedded SmolLM2-135M-Instruct (converted from GGUF once)."""
+  from exgrpo_jax import models
+  try:
+    return models.resolve_hf_dir(models.default_model_path())
+  except (FileNotFoundError, ImportError) as e:
+    pytest.skip(f"embedded model unavailable: {e}")
