@@ -1,0 +1,13 @@
+r"""Llama-3.1-8B-Instruct, paper Table 5 (500 steps).
+
+  python -m exgrpo_jax.train --config=configs/llama8b_instruct.py --workdir=runs/llama8b_instruct
+
+The qwen7b recipe on the instruct model.
+"""
+
+from configs import common
+
+
+def get_config(arg=None):
+  return common.paper_config(arg, model_path="checkpoints/Llama-3.1-8B-Instruct",
+                             template="exgrpo_think", steps=500, delayed_start=0.35)

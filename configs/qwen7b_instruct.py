@@ -1,0 +1,13 @@
+r"""Qwen2.5-7B-Instruct, paper Table 5 (500 steps).
+
+  python -m exgrpo_jax.train --config=configs/qwen7b_instruct.py --workdir=runs/qwen7b_instruct
+
+The qwen7b recipe on the instruct model.
+"""
+
+from configs import common
+
+
+def get_config(arg=None):
+  return common.paper_config(arg, model_path="checkpoints/Qwen2.5-7B-Instruct",
+                             template="exgrpo_think", steps=500, delayed_start=0.35)

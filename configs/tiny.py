@@ -1,0 +1,39 @@
+r"""A tiny random-weight model on real GSM8K prompts, for tests of the training loop.
+
+  python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/tiny
+
+It uses SmolLM2's tokenizer (so real prompts and rewards) with a 2-layer, 64-wide
+random decoder; the replay delayed start is 0, so the buffer is used from step 1.
+"""
+
+import os
+
+from configs import common
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+
+
+def get_config(arg=None):
+  variant, _ = common.parse_arg(arg)
+  c = common.base_config()
+  c.model.random_init = True
+  c.model.dtype = "float32"
+  c.model.param_dtype = "float32"
+  c.model.remat = "none"
+  c.data.train_path = os.path.normpath(os.path.join(DATA, "gsm8k_train.parquet"))
+  c.data.limit = 64
+  c.data.max_prompt_tokens = 192
+  c.rollout.k = 4
+  c.rollout.max_new_tokens = 16
+  c.reward.num_workers = 1
+  c.algo.delayed_start = 0.0
+  c.algo.norm_len = 16
+  c.optim.lr = 1e-4
+  c.optim.micro_batch_size = 4
+  c.train.steps = 3
+  c.train.batch_questions = 4
+  c.train.checkpoint_every = 2
+  c.train.logprob_chunk = 8
+  c.eval.every = 0
+  c.eval.max_new_tokens = 16
+  return common.apply_variant(c, variant)

@@ -1,0 +1,1 @@
+"""The training loop: learner step, replay glue, run state, logging."""

@@ -1,0 +1,127 @@
+"""The learner: one jitted, donated optimizer step over a mini-batch of responses.
+
+A mini-batch arrives as M micro-batches of Bm sequences, each `prompt (left-padded to P)
++ response (right-padded to R)`. The step scans over micro-batches accumulating
+gradients of
+
+  policy_loss(logp, old_logp, adv, mask, is_replay) - entropy_coeff * mean entropy
+
+(log-probs and entropies from hidden states, chunked so [B, T, V] float32 logits never
+exist at once), clips the global gradient norm, and applies AdamW unless the norm is
+non-finite or above `skip_grad_norm` (then the step is skipped and counted).
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from exgrpo_jax import logprobs
+from exgrpo_jax import losses
+from exgrpo_jax import models
+
+
+@flax.struct.dataclass
+class TrainBatch:
+  """M micro-batches of Bm sequences; S = P + R tokens each."""
+
+  tokens_MxBxS: jax.Array       # int32
+  valid_MxBxS: jax.Array        # bool: real prompt and response tokens
+  mask_MxBxR: jax.Array         # bool: response tokens that enter the loss
+  old_logp_MxBxR: jax.Array     # float32: pi_old (fresh) or pi_behaviour (replayed)
+  adv_MxB: jax.Array            # float32
+  is_replay_MxB: jax.Array      # bool
+  prompt_len: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def make_optimizer(optim) -> optax.GradientTransformation:
+  return optax.chain(
+      optax.clip_by_global_norm(optim.grad_clip),
+      optax.adamw(optim.lr, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                  weight_decay=optim.weight_decay))
+
+
+def response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len: int, chunk: int):
+  """Per-response-token log-probs and entropies [B, R] at temperature 1."""
+  hidden_BxSxD, _ = models.apply(cfg, params, tokens_BxS, valid_BxS, return_hidden=True)
+  # Position t's hidden state predicts token t + 1.
+  hidden_BxRxD = hidden_BxSxD[:, prompt_len - 1:-1]
+  targets_BxR = tokens_BxS[:, prompt_len:]
+  return logprobs.token_logprobs_and_entropy(
+      hidden_BxRxD, models.unembedding(cfg, params), targets_BxR, chunk_size=chunk)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def score_responses(cfg, params, tokens_BxS, valid_BxS, prompt_len: int, chunk: int):
+  """Jitted `response_stats` without gradients (old log-probs, trajectory selection)."""
+  return response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len, chunk)
+
+
+def _micro_loss(params, micro, *, cfg, algo, use_clip, prompt_len, chunk):
+  tokens_BxS, valid_BxS, mask_BxR, old_logp_BxR, adv_B, is_replay_B = micro
+  logp_BxR, entropy_BxR = response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len,
+                                         chunk)
+  is_replay_BxR = jnp.broadcast_to(is_replay_B[:, None], mask_BxR.shape) & mask_BxR
+  loss_fn = losses.POLICY_LOSSES.get(algo.loss)
+  pg_loss, metrics = loss_fn(
+      logp_BxR, old_logp_BxR, adv_B, mask_BxR, is_replay_BxR, clip_eps=algo.clip_eps,
+      use_clip=use_clip, shaping_gamma=algo.shaping_gamma, norm_len=algo.norm_len,
+      aggregation=algo.aggregation)
+  n_tokens = jnp.maximum(mask_BxR.sum(), 1)
+  entropy = jnp.sum(entropy_BxR * mask_BxR) / n_tokens
+  metrics = dict(metrics, entropy=entropy, pg_loss=pg_loss)
+  return pg_loss - algo.entropy_coeff * entropy, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "algo", "optim", "use_clip", "chunk"),
+                   donate_argnums=(0, 1))
+def train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip: bool,
+               chunk: int):
+  """One optimizer step; returns (params, opt_state, metrics).
+
+  `algo` and `optim` are hashable views of the config sections (see `frozen`).
+  """
+  grad_fn = jax.value_and_grad(functools.partial(
+      _micro_loss, cfg=cfg, algo=algo, use_clip=use_clip, prompt_len=batch.prompt_len,
+      chunk=chunk), has_aux=True)
+
+  def accumulate(carry, micro):
+    grads_acc, loss_acc = carry
+    (loss, metrics), grads = grad_fn(params, micro)
+    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+    return (grads_acc, loss_acc + loss), metrics
+
+  micro_batches = (batch.tokens_MxBxS, batch.valid_MxBxS, batch.mask_MxBxR,
+                   batch.old_logp_MxBxR, batch.adv_MxB, batch.is_replay_MxB)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (grads, loss), metrics_M = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), micro_batches)
+  grad_norm = optax.global_norm(grads)
+  skip = ~jnp.isfinite(grad_norm) | (grad_norm > optim.skip_grad_norm)
+  tx = make_optimizer(optim)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep_old = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
+  metrics = {k: v.mean() for k, v in metrics_M.items()}
+  metrics.update(loss=loss, grad_norm=grad_norm, skipped=skip.astype(jnp.float32))
+  return keep_old(params, new_params), keep_old(opt_state, new_opt_state), metrics
+
+
+class Frozen:
+  """A hashable, attribute-access snapshot of a ConfigDict section (a jit static arg)."""
+
+  def __init__(self, section):
+    self._items = tuple(sorted(section.to_dict().items()))
+    for k, v in self._items:
+      setattr(self, k, v)
+
+  def __hash__(self):
+    return hash(tuple((k, v if not isinstance(v, list) else tuple(v)) for k, v in self._items))
+
+  def __eq__(self, other):
+    return isinstance(other, Frozen) and self._items == other._items
+
+
+def frozen(section) -> Frozen:
+  return Frozen(section)

@@ -1,0 +1,135 @@
+"""Everything a run carries between steps, built fresh or restored from a checkpoint.
+
+Resume order: (1) the latest checkpoint in `<workdir>/checkpoints` (params, optimizer,
+step, buffer, data stream, delayed-start flag; PRNG keys are derived from the seed and
+the step, so they need no storage); (2) `config.model.path` (or random weights for
+`model.random_init`) with a fresh optimizer, buffer and stream.
+"""
+
+import functools
+import os
+import sys
+
+import jax
+import numpy as np
+
+from exgrpo_jax import checkpointing
+from exgrpo_jax import data
+from exgrpo_jax import evaluation
+from exgrpo_jax import models
+from exgrpo_jax import rewards
+from exgrpo_jax import sampling
+from exgrpo_jax.replay import buffer as buffer_lib
+from exgrpo_jax.training import learner
+
+
+def _model_config_for_random_init(config, tokenizer) -> models.ModelConfig:
+  return models.ModelConfig(
+      vocab_size=len(tokenizer), eos_token_id=(tokenizer.eos_token_id,),
+      pad_token_id=tokenizer.pad_token_id, dtype=config.model.dtype,
+      param_dtype=config.model.param_dtype, remat=config.model.remat,
+      **config.model.arch.to_dict())
+
+
+class RunState:
+  """Model, optimizer state, replay buffer, question stream, reward pool and counters."""
+
+  def __init__(self, config, workdir: str):
+    self.config = config
+    self.workdir = workdir
+    self.store = checkpointing.CheckpointStore(workdir, keep=config.train.keep_checkpoints)
+    self.step = 0
+    self.replay_started = config.algo.delayed_start <= 0
+
+    m = config.model
+    self.tokenizer_source = m.tokenizer or m.path or models.default_model_path()
+    self.tokenizer = models.load_tokenizer(self.tokenizer_source)
+    self.pad_id = self.tokenizer.pad_token_id
+    if m.random_init:
+      self.model_cfg = _model_config_for_random_init(config, self.tokenizer)
+      self.params = models.init_params(self.model_cfg, jax.random.key(config.train.seed))
+    else:
+      policy = models.from_pretrained(m.path or None, dtype=m.dtype,
+                                      param_dtype=m.param_dtype, remat=m.remat)
+      self.model_cfg, self.params = policy.config, policy.params
+    self.opt_state = learner.make_optimizer(config.optim).init(self.params)
+
+    self.questions = data.load_questions(
+        config.data.train_path, self.tokenizer, template=config.data.template,
+        max_prompt_tokens=config.data.max_prompt_tokens, limit=config.data.limit,
+        skip_bad_rows=config.data.skip_bad_rows)
+    self._by_uid = {q.uid: q for q in self.questions}
+    self.stream = data.QuestionStream([q.uid for q in self.questions],
+                                      seed=config.train.seed)
+    self.buffer = buffer_lib.ExperienceBuffer(
+        dict(config.replay.to_dict(), vocab_size=self.model_cfg.vocab_size),
+        seed=config.train.seed)
+    self.reward_pool = rewards.RewardPool(num_workers=config.reward.num_workers,
+                                          timeout_s=config.reward.timeout_s)
+    self.sampling_config = sampling.SamplingConfig(
+        temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+        top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
+    self._eval_questions = None
+
+  @classmethod
+  def create_or_restore(cls, config, workdir: str) -> "RunState":
+    state = cls(config, workdir)
+    latest = state.store.latest_step()
+    if latest is not None:
+      state.restore(latest)
+      print(f"[exgrpo_jax] resumed from {checkpointing.checkpoint_dir(workdir)}/{latest}",
+            file=sys.stderr)
+    return state
+
+  # --- per-step helpers ---------------------------------------------------------------------
+
+  def prompt_ids(self, uid: int) -> list[int]:
+    return self._by_uid[uid].prompt_ids
+
+  def score(self, qids, k: int, texts: list[str]):
+    """Rewards [len(qids) * k] for group-ordered `texts`, and the pool's stats."""
+    items = [self._by_uid[qids[i // k]].reward_item(text) for i, text in enumerate(texts)]
+    return self.reward_pool.score(items)
+
+  def evaluate(self, engine) -> dict:
+    """Validation accuracy on `eval.path` (per data source and overall), as val/* metrics."""
+    cfg = self.config.eval
+    if not cfg.path:
+      return {}
+    if self._eval_questions is None:
+      self._eval_questions = data.load_questions(
+          cfg.path, self.tokenizer, template=self.config.data.template,
+          max_prompt_tokens=self.config.data.max_prompt_tokens, limit=cfg.limit)
+    result = evaluation.evaluate(
+        engine, self.params, self._eval_questions, self.reward_pool,
+        sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
+                                max_new_tokens=cfg.max_new_tokens),
+        n=cfg.n, key=jax.random.key(self.config.train.seed))
+    return evaluation.as_metrics(result, prefix="val")
+
+  # --- checkpoints --------------------------------------------------------------------------
+
+  def save(self) -> None:
+    meta = dict(
+        step=self.step, replay_started=self.replay_started,
+        stream=self.stream.state_dict(),
+        model_config=checkpointing.model_config_to_json(self.model_cfg),
+        tokenizer_source=os.path.abspath(self.tokenizer_source)
+        if os.path.exists(self.tokenizer_source) else self.tokenizer_source,
+        config=self.config.to_dict())
+    self.store.save(self.step, self.params, self.opt_state, self.buffer.state_dict(), meta)
+
+  def restore(self, step: int) -> None:
+    abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=getattr(x, "sharding", None)))
+    params, opt, host, meta = self.store.restore(step, abstract(self.params),
+                                                 abstract(self.opt_state))
+    self.params, self.opt_state = params, opt
+    self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host)
+    self.stream.load_state_dict(meta["stream"])
+    self.step = int(meta["step"])
+    self.replay_started = bool(meta["replay_started"])
+
+  def close(self) -> None:
+    self.reward_pool.close()
+    self.store.close()

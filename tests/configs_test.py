@@ -1,0 +1,58 @@
+"""Every shipped config and variant loads, and the train entry point rejects typos."""
+
+import glob
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import common
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
+               if not p.endswith(("common.py", "__init__.py")))
+
+
+def test_all_model_configs_present():
+  assert set(NAMES) >= {"qwen7b", "qwen1_5b", "qwen7b_instruct", "llama8b", "llama8b_instruct",
+                        "smollm2_135m", "tiny"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("variant", common.VARIANTS)
+def test_config_and_variant_load(name, variant):
+  c = importlib.import_module(f"configs.{name}").get_config(variant)
+  assert c.replay.k == c.rollout.k
+  assert 0 <= c.algo.rho < 1
+  if variant == "onpolicy":
+    assert c.algo.rho == 0
+  if variant == "no_shaping":
+    assert c.algo.shaping_gamma is None
+  if variant == "rho75":
+    assert c.algo.rho == 0.75
+
+
+def test_paper_defaults():
+  c = importlib.import_module("configs.qwen7b").get_config()
+  assert (c.train.batch_questions, c.rollout.k, c.rollout.max_new_tokens) == (128, 8, 8192)
+  assert (c.algo.rho, c.algo.delayed_start, c.algo.shaping_gamma) == (0.5, 0.35, 0.1)
+  assert (c.optim.lr, c.optim.weight_decay, c.optim.skip_grad_norm) == (1e-6, 0.01, 500.0)
+  assert c.algo.entropy_coeff == 0.001 and c.optim.mini_batches == 2
+  assert importlib.import_module("configs.llama8b").get_config().algo.delayed_start == 0
+
+
+def test_unknown_variant_is_an_error():
+  with pytest.raises(ValueError, match="unknown variant 'nope'"):
+    importlib.import_module("configs.tiny").get_config("nope")
+
+
+def test_train_cli_rejects_unknown_key(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
+       f"--workdir={tmp_path}", "--config.algo.rhoo=0.3"],
+      capture_output=True, text=True, check=False,
+      cwd=os.path.dirname(CONFIG_DIR))
+  assert proc.returncode != 0
+  assert "rhoo" in proc.stderr
