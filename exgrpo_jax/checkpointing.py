@@ -44,7 +44,11 @@ class CheckpointStore:
 
   def save(self, step: int, params, opt, host: dict, meta: dict) -> None:
     """Writes one checkpoint (blocking, so a SIGTERM handler can rely on it)."""
-    host = {k: np.asarray(v) for k, v in host.items()} or {"empty": np.zeros(())}
+    host = {k: np.asarray(v) for k, v in host.items()}
+    # Orbax cannot write zero-size arrays; their shape and dtype travel in meta.
+    meta = dict(meta, empty_host_arrays={k: [list(v.shape), v.dtype.str]
+                                         for k, v in host.items() if v.size == 0})
+    host = {k: v for k, v in host.items() if v.size} or {"empty": np.zeros(())}
     self._manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params),
         opt=ocp.args.StandardSave(opt),
@@ -60,6 +64,8 @@ class CheckpointStore:
         host=ocp.args.StandardRestore(),
         meta=ocp.args.JsonRestore()))
     host = {k: np.asarray(v) for k, v in restored.host.items() if k != "empty"}
+    for k, (shape, dtype) in restored.meta.pop("empty_host_arrays", {}).items():
+      host[k] = np.zeros(shape, np.dtype(dtype))
     return restored.params, restored.opt, host, restored.meta
 
   def close(self):

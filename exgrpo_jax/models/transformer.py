@@ -190,7 +190,7 @@ class Transformer(nn.Module):
   def setup(self):
     cfg = self.cfg
     pdt = config_lib.dtype_from_name(cfg.param_dtype)
-    self.embedding_VxD = _param(self, "embed", nn.initializers.normal(1.0),
+    self.embedding_VxD = _param(self, "embed", nn.initializers.normal(0.02),
                                 (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pdt)
     if not cfg.tie_word_embeddings:
       self.lm_head_DxV = _param(self, "lm_head", nn.initializers.normal(0.02),

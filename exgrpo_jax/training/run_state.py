@@ -15,7 +15,6 @@ import numpy as np
 
 from exgrpo_jax import checkpointing
 from exgrpo_jax import data
-from exgrpo_jax import evaluation
 from exgrpo_jax import models
 from exgrpo_jax import rewards
 from exgrpo_jax import sampling
@@ -54,12 +53,10 @@ class RunState:
       self.model_cfg, self.params = policy.config, policy.params
     self.opt_state = learner.make_optimizer(config.optim).init(self.params)
 
-    self.questions = data.load_questions(
-        config.data.train_path, self.tokenizer, template=config.data.template,
-        max_prompt_tokens=config.data.max_prompt_tokens, limit=config.data.limit,
-        skip_bad_rows=config.data.skip_bad_rows)
-    self._by_uid = {q.uid: q for q in self.questions}
-    self.stream = data.QuestionStream([q.uid for q in self.questions],
+    self.prompts, self.data_stats = self._load_prompts(config.data.train_path,
+                                                       config.data.limit)
+    self._by_uid = {p.question.uid: p for p in self.prompts}
+    self.stream = data.QuestionStream([p.question for p in self.prompts],
                                       seed=config.train.seed)
     self.buffer = buffer_lib.ExperienceBuffer(
         dict(config.replay.to_dict(), vocab_size=self.model_cfg.vocab_size),
@@ -69,7 +66,23 @@ class RunState:
     self.sampling_config = sampling.SamplingConfig(
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
         top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
-    self._eval_questions = None
+    self._eval_prompts = None
+
+  def _load_prompts(self, path: str, limit: int):
+    """Questions of `path` rendered with the configured template (too long: dropped)."""
+    cfg = self.config
+    loaded = data.load_questions(path, skip_bad_rows=cfg.data.skip_bad_rows, limit=limit,
+                                 reward_name=cfg.reward.name)
+    prompts, dropped = data.render_prompts(loaded.questions, self.tokenizer,
+                                           template=cfg.data.template,
+                                           max_prompt_tokens=cfg.data.max_prompt_tokens)
+    if not prompts:
+      raise ValueError(f"{path}: no usable questions ({len(loaded.skipped)} bad rows, "
+                       f"{dropped} longer than data.max_prompt_tokens)")
+    print(f"[exgrpo_jax] {path}: {len(prompts)} questions ({len(loaded.skipped)} bad rows "
+          f"skipped, {dropped} prompts over {cfg.data.max_prompt_tokens} tokens dropped)",
+          file=sys.stderr)
+    return prompts, {"rows_skipped": len(loaded.skipped), "prompts_too_long": dropped}
 
   @classmethod
   def create_or_restore(cls, config, workdir: str) -> "RunState":
@@ -84,28 +97,40 @@ class RunState:
   # --- per-step helpers ---------------------------------------------------------------------
 
   def prompt_ids(self, uid: int) -> list[int]:
-    return self._by_uid[uid].prompt_ids
+    return list(self._by_uid[uid].ids)
 
   def score(self, qids, k: int, texts: list[str]):
     """Rewards [len(qids) * k] for group-ordered `texts`, and the pool's stats."""
-    items = [self._by_uid[qids[i // k]].reward_item(text) for i, text in enumerate(texts)]
+    items = []
+    for i, text in enumerate(texts):
+      prompt = self._by_uid[qids[i // k]]
+      items.append(rewards.RewardItem(text, prompt.question.ground_truth,
+                                      prompt.question.reward_name, prompt.think_gate))
     return self.reward_pool.score(items)
 
   def evaluate(self, engine) -> dict:
-    """Validation accuracy on `eval.path` (per data source and overall), as val/* metrics."""
+    """Validation accuracy on `eval.path`, per data source and averaged (val/* metrics)."""
     cfg = self.config.eval
     if not cfg.path:
       return {}
-    if self._eval_questions is None:
-      self._eval_questions = data.load_questions(
-          cfg.path, self.tokenizer, template=self.config.data.template,
-          max_prompt_tokens=self.config.data.max_prompt_tokens, limit=cfg.limit)
-    result = evaluation.evaluate(
-        engine, self.params, self._eval_questions, self.reward_pool,
-        sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
-                                max_new_tokens=cfg.max_new_tokens),
-        n=cfg.n, key=jax.random.key(self.config.train.seed))
-    return evaluation.as_metrics(result, prefix="val")
+    if self._eval_prompts is None:
+      self._eval_prompts, _ = self._load_prompts(cfg.path, cfg.limit)
+    prompts = self._eval_prompts
+    out = engine.generate([list(p.ids) for p in prompts], cfg.n, self.params,
+                          jax.random.key(self.config.train.seed),
+                          sampling.SamplingConfig(temperature=cfg.temperature,
+                                                  greedy=cfg.temperature == 0,
+                                                  max_new_tokens=cfg.max_new_tokens))
+    owners = [prompts[i] for i in out.prompt_index_N]
+    scores, _ = self.reward_pool.score([
+        rewards.RewardItem(text, p.question.ground_truth, p.question.reward_name,
+                           p.think_gate) for text, p in zip(out.texts, owners)])
+    sources = np.array([p.question.data_source for p in owners])
+    metrics = {f"val/test_score/{src}": float(scores[sources == src].mean())
+               for src in sorted(set(sources))}
+    metrics["val/avg_score"] = float(np.mean(list(metrics.values())))
+    metrics["val/response_length"] = float(np.mean(out.lengths_N))
+    return metrics
 
   # --- checkpoints --------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class Trainer:
         rule=cfg.algo.trajectory_selection, max_new_tokens=cfg.rollout.max_new_tokens,
         batch_size=cfg.optim.micro_batch_size, pad_id=st.pad_id,
         chunk=cfg.train.logprob_chunk, rng=rng)
-    fresh_qids = st.stream.next_batch(batch_q - len(replays))
+    fresh_qids = [q.uid for q in st.stream.next_batch(batch_q - len(replays))]
     timings["select"] = time.time() - t
 
     # 4. Rollout: K fresh samples per fresh question, K-1 per replayed question.
@@ -136,10 +136,8 @@ class Trainer:
         "response_length/clip_ratio": float(np.mean(out.truncated_N)),
         "timing_s/tokens_per_s": float(lengths.sum() / max(timings["gen"], 1e-9)),
     }
-    metrics.update({f"experience/{k_}": v for k_, v in st.buffer.stats().items()
-                    if not isinstance(v, (list, dict))})
-    for b, size in enumerate(st.buffer.stats().get("bucket_sizes", [])):
-      metrics[f"bucket/{b}_count"] = size
+    for name, value in st.buffer.stats().items():
+      metrics[f"{name}_count" if name.startswith("bucket/") else f"experience/{name}"] = value
     metrics.update({f"reward/{k_}": v for k_, v in reward_stats.items()})
     metrics.update({f"timing_s/{k_}": v for k_, v in timings.items()})
     metrics.update({f"actor/{k_}": v for k_, v in actor.items()})
