@@ -106,3 +106,14 @@ def test_resume_continues_exactly(exgrpo_run, tmp_path):
   for a, b in zip(jax.tree.leaves(resumed_trainer.state.params),
                   jax.tree.leaves(reference_trainer.state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_convert_exports_training_checkpoint(exgrpo_run, tmp_path):
+  from exgrpo_jax import convert  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import models  # pylint: disable=g-import-not-at-top
+  trainer, _ = exgrpo_run
+  assert convert.main(["--src", trainer.workdir, "--dst", str(tmp_path)]) == 0
+  exported = models.from_pretrained(str(tmp_path))
+  for a, b in zip(jax.tree.leaves(exported.params), jax.tree.leaves(trainer.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert os.path.exists(tmp_path / "tokenizer.json")

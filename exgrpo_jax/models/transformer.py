@@ -29,22 +29,36 @@ _NEG_INF = float(jnp.finfo(jnp.float32).min)
 class KVCache:
   """Keys/values of every layer for S slots, and which slots hold real tokens.
 
-  k_LxBxSxKxDh, v_LxBxSxKxDh: cached keys and values (compute dtype).
+  k_LxBxKxSxDh, v_LxBxKxSxDh: cached keys and values (compute dtype); slots sit next to
+    head_dim so decoding reads each head's keys without transposing the cache.
   valid_BxS: True where a slot holds a real (non-padding) token.
   index: the next slot to write (same for the whole batch).
   """
 
-  k_LxBxSxKxDh: jax.Array
-  v_LxBxSxKxDh: jax.Array
+  k_LxBxKxSxDh: jax.Array
+  v_LxBxKxSxDh: jax.Array
   valid_BxS: jax.Array
   index: jax.Array
 
   @classmethod
   def zeros(cls, cfg: config_lib.ModelConfig, batch: int, slots: int) -> "KVCache":
-    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
     dtype = config_lib.dtype_from_name(cfg.dtype)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
+
+
+def cache_positions_and_mask(valid_BxS: jax.Array, index: jax.Array, valid_BxT: jax.Array):
+  """For T tokens written at cache slot `index`: (slot validity after the write, their
+  positions [B, T], their attention mask over the slots [B, T, S])."""
+  T = valid_BxT.shape[1]
+  valid_BxS = jax.lax.dynamic_update_slice_in_dim(valid_BxS, valid_BxT, index, axis=1)
+  slot_S = jnp.arange(valid_BxS.shape[1])
+  query_slot_T = index + jnp.arange(T)
+  positions_BxS = jnp.maximum(jnp.cumsum(valid_BxS, axis=1) - 1, 0)
+  positions_BxT = jax.lax.dynamic_slice_in_dim(positions_BxS, index, T, axis=1)
+  mask_BxTxS = (slot_S[None, :] <= query_slot_T[:, None])[None] & valid_BxS[:, None, :]
+  return valid_BxS, positions_BxT, mask_BxTxS
 
 
 def rope_inv_freq(cfg: config_lib.ModelConfig) -> jax.Array:
@@ -122,21 +136,26 @@ class Attention(nn.Module):
     k_BxTxKxDh = apply_rope(project("k_proj", K, "kv_heads"), positions_BxT, inv_freq)
     v_BxTxKxDh = project("v_proj", K, "kv_heads")
 
+    k_BxKxTxDh = k_BxTxKxDh.transpose(0, 2, 1, 3)
+    v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
     if cache_kv is not None:
       cache_k, cache_v, index = cache_kv
-      k_BxSxKxDh = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxTxKxDh, index, axis=1)
-      v_BxSxKxDh = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxTxKxDh, index, axis=1)
-      new_kv = (k_BxSxKxDh, v_BxSxKxDh)
+      k_BxKxSxDh = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxKxTxDh, index, axis=2)
+      v_BxKxSxDh = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxKxTxDh, index, axis=2)
+      new_kv = (k_BxKxSxDh, v_BxKxSxDh)
     else:
-      k_BxSxKxDh, v_BxSxKxDh, new_kv = k_BxTxKxDh, v_BxTxKxDh, None
+      k_BxKxSxDh, v_BxKxSxDh, new_kv = k_BxKxTxDh, v_BxKxTxDh, None
 
     B, T = x_BxTxD.shape[:2]
     q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxDh, k_BxSxKxDh,
+    scores = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
                         preferred_element_type=jnp.float32) / math.sqrt(Dh)
     scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out_BxTxKxGxDh = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxDh)
+    # Output [B, K, G, T, Dh] (the natural batched-matmul layout; asking for
+    # [B, T, K, G, Dh] here made XLA:CPU pick a slow non-library dot), then transpose.
+    out_BxKxGxTxDh = jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxDh)
+    out_BxTxKxGxDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4)
     out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, H, Dh)
     w_o = _param(self, "o_proj", init, (H, Dh, D), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)), new_kv
@@ -240,14 +259,9 @@ class Transformer(nn.Module):
       mask_BxTxS = causal_TxT[None] & valid_BxT[:, None, :]
       layer_caches, new_cache = None, None
     else:
-      valid_BxS = jax.lax.dynamic_update_slice_in_dim(cache.valid_BxS, valid_BxT,
-                                                      cache.index, axis=1)
-      slot_S = jnp.arange(valid_BxS.shape[1])
-      query_slot_T = cache.index + jnp.arange(T)
-      positions_BxS = jnp.maximum(jnp.cumsum(valid_BxS, axis=1) - 1, 0)
-      positions_BxT = jax.lax.dynamic_slice_in_dim(positions_BxS, cache.index, T, axis=1)
-      mask_BxTxS = (slot_S[None, :] <= query_slot_T[:, None])[None] & valid_BxS[:, None, :]
-      layer_caches = (cache.k_LxBxSxKxDh, cache.v_LxBxSxKxDh,
+      valid_BxS, positions_BxT, mask_BxTxS = cache_positions_and_mask(
+          cache.valid_BxS, cache.index, valid_BxT)
+      layer_caches = (cache.k_LxBxKxSxDh, cache.v_LxBxKxSxDh,
                       jnp.broadcast_to(cache.index, (cfg.num_layers,)))
 
     x_BxTxD, new_kv = self.layers(x_BxTxD, layer_caches, positions_BxT, mask_BxTxS)

@@ -225,8 +225,9 @@ class Trainer:
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
           st.save()
       if self._stop_requested:
-        print(f"SIGTERM: saving a checkpoint at step {st.step} and exiting", flush=True)
-        st.save()
+        print(f"SIGTERM: checkpoint at step {st.step}; exiting", flush=True)
+        if st.store.latest_step() != st.step:
+          st.save()
     finally:
       signal.signal(signal.SIGTERM, previous)
       self.log.close()

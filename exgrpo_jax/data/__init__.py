@@ -1,0 +1,7 @@
+"""Questions: file readers (verl parquet, GSM8K, JSONL), prompt templates, and the
+resumable fresh-question stream."""
+
+from exgrpo_jax.data.questions import (BOXED_INSTRUCTION, DataError, LoadResult, Question,
+                                       load_questions)
+from exgrpo_jax.data.stream import QuestionStream
+from exgrpo_jax.data.templates import EXGRPO_SYSTEM_PROMPT, TEMPLATES, Prompt, render_prompts

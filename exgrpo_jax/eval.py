@@ -1,0 +1,136 @@
+"""Evaluates a model on benchmark files and prints a table per data_source.
+
+  python -m exgrpo_jax.eval --data ../shared/data/exgrpo_test_id.parquet --limit 4 \\
+      --max-new-tokens 64                           # embedded SmolLM2, a CPU smoke run
+  python -m exgrpo_jax.eval --model PATH --data ../shared/data/exgrpo_test_id.parquet \\
+      --data ../shared/data/ood_arc_c.parquet --max-new-tokens 8192 --out results.json
+
+PATH is an HF directory, a .gguf file, or an exgrpo_jax training workdir / checkpoint
+step directory; without --model the embedded SmolLM2-135M-Instruct is used. Defaults
+follow the reference's evaluation: temperature 0.6, top-p 1.0, n = 1, the model's chat
+template with the file's system prompt removed. --limit N keeps the first N rows of
+every data_source, so each benchmark still appears.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from exgrpo_jax import checkpointing
+from exgrpo_jax import data
+from exgrpo_jax import models
+from exgrpo_jax import rewards
+from exgrpo_jax import sampling
+from exgrpo_jax.evaluation import runner
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m exgrpo_jax.eval",
+                              description=__doc__.split("\n\n")[0])
+  add = p.add_argument
+  add("--model", default="", help="HF dir, .gguf, or training workdir (default: SmolLM2)")
+  add("--data", action="append", required=True, help="a data file (repeatable)")
+  add("--limit", type=int, default=0, help="first N rows of every data_source (0 = all)")
+  add("--sources", default="", help="comma-separated data_sources to keep (default: all)")
+  add("--template", default="chat", choices=data.TEMPLATES.names())
+  add("--reward", default="", choices=[""] + rewards.REWARDS.names(),
+      help="reward for every row (default: by data_source)")
+  add("--remove-system", "--remove_system", dest="remove_system",
+      action=argparse.BooleanOptionalAction, default=True,
+      help="drop the file's system prompt (the reference's eval does)")
+  add("--temperature", type=float, default=0.6)
+  add("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
+  add("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=8192)
+  add("--max-prompt-tokens", "--max_prompt_tokens", dest="max_prompt_tokens", type=int,
+      default=0, help="drop (and count) longer prompts (0 = no limit)")
+  add("--n", type=int, default=1, help="samples per row")
+  add("--batch-prompts", "--batch_prompts", dest="batch_prompts", type=int, default=64)
+  add("--seed", type=int, default=0)
+  add("--dtype", default="float32", choices=("float32", "bfloat16"))
+  add("--engine", default="jax", choices=sampling.ENGINES.names())
+  add("--reward-workers", "--reward_workers", dest="reward_workers", type=int, default=2)
+  add("--reward-timeout", "--reward_timeout", dest="reward_timeout", type=float, default=10.0)
+  add("--save-responses", "--save_responses", dest="save_responses", action="store_true",
+      help="include every response in the JSON")
+  add("--out", default="", help="write the results JSON here")
+  return p
+
+
+def load_model(path: str, dtype: str):
+  """(ModelConfig, params, tokenizer) from an HF dir, .gguf, training checkpoint or ""."""
+  if path and checkpointing.is_training_checkpoint(path):
+    cfg, params, tokenizer_source = checkpointing.load_policy_for_export(path)
+    cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return cfg, params, models.load_tokenizer(tokenizer_source or None)
+  policy = models.from_pretrained(path or None, dtype=dtype)
+  return policy.config, policy.params, models.load_tokenizer(path or None)
+
+
+def select(questions: list[data.Question], limit: int, sources: str) -> list[data.Question]:
+  """The first `limit` rows of each data_source, restricted to `sources` if given."""
+  wanted = {s for s in sources.split(",") if s}
+  counts, kept = {}, []
+  for q in questions:
+    if wanted and q.data_source not in wanted:
+      continue
+    counts[q.data_source] = counts.get(q.data_source, 0) + 1
+    if not limit or counts[q.data_source] <= limit:
+      kept.append(q)
+  return kept
+
+
+def log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    questions = []
+    for path in args.data:
+      loaded = data.load_questions(path, reward_name=args.reward)
+      for message in loaded.skipped:
+        log(f"[eval] skipped {message}")
+      questions += select(loaded.questions, args.limit, args.sources)
+    if not questions:
+      raise ValueError(f"no questions selected from {args.data} (sources={args.sources!r})")
+    start = time.perf_counter()
+    cfg, params, tokenizer = load_model(args.model, args.dtype)
+  except (FileNotFoundError, ValueError, ImportError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  log(f"[eval] model {args.model or models.default_model_path()} loaded in "
+      f"{time.perf_counter() - start:.1f} s; {len(questions)} rows")
+  room = cfg.max_position_embeddings - args.max_new_tokens
+  if room <= 0:
+    print(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
+          f"model's {cfg.max_position_embeddings} positions", file=sys.stderr)
+    return 1
+  engine = sampling.make_engine(args.engine, cfg, tokenizer)
+  sampling_config = sampling.SamplingConfig(temperature=args.temperature, top_p=args.top_p,
+                                            max_new_tokens=args.max_new_tokens)
+  options = runner.EvalOptions(template=args.template, remove_system=args.remove_system,
+                               max_prompt_tokens=min(args.max_prompt_tokens or room, room),
+                               n=args.n,
+                               batch_prompts=args.batch_prompts,
+                               keep_responses=args.save_responses)
+  with rewards.RewardPool(args.reward_workers, args.reward_timeout) as pool:
+    results = runner.evaluate(engine, params, tokenizer, questions, sampling_config, pool,
+                              jax.random.key(args.seed), options, log)
+  results["config"] = dict(vars(args), model=args.model or models.default_model_path())
+  print(runner.format_table(results))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=2)
+    log(f"[eval] wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

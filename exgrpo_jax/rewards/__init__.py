@@ -1,0 +1,6 @@
+"""Verifiable rewards: graders by name (Math-Verify, multiple choice, GSM8K) and the
+worker pool that runs them under a per-item deadline."""
+
+from exgrpo_jax.rewards.graders import (REWARDS, SOURCE_REWARDS, STATUSES, ends_with_think,
+                                        grade, reward_for_source)
+from exgrpo_jax.rewards.pool import RewardItem, RewardPool

@@ -1,0 +1,278 @@
+"""Verification in worker processes with a per-item deadline that always returns.
+
+  with rewards.RewardPool(num_workers=4, timeout_s=10.0) as pool:
+    rewards_N, stats = pool.score([rewards.RewardItem(text, gt, "math_verify", gate), ...])
+
+Each item is sent to an idle worker on its own pipe, so the parent knows which item each
+worker holds and since when. Two deadlines guard every item:
+
+* soft, in the worker: SIGALRM after `timeout_s` interrupts the grader between Python
+  bytecodes (e.g. sympy expanding `9^{9^{9}}`, which otherwise runs for minutes); the
+  worker answers TIMEOUT and lives on;
+* hard, in the parent: `timeout_s + grace_s` after dispatch a worker that has not
+  answered (stuck inside C code, where signals wait) is killed and replaced, and its
+  item is a TIMEOUT. A worker that dies mid-item gives CRASH and is replaced.
+
+Either way the item scores 0 and is counted in the returned stats. Workers start with
+`spawn` (never `fork`: the parent runs JAX's threads), ignore SIGINT (the parent owns
+shutdown) and cap their address space at `max_memory_mb` above what they started with.
+"""
+
+import collections
+import dataclasses
+import importlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import resource
+import signal
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from exgrpo_jax.rewards import graders
+
+_READY = "ready"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardItem:
+  """One response to grade: text, reference answer, reward name, think gate on/off."""
+
+  response: str
+  ground_truth: str
+  reward_name: str
+  think_gate: bool = False
+
+
+class _Deadline(BaseException):
+  """The per-item deadline passed (raised from SIGALRM; not an `Exception`, so graders'
+  `except Exception` blocks do not swallow it)."""
+
+
+def _on_alarm(signum, frame):
+  del signum, frame
+  raise _Deadline()
+
+
+def grade_with_deadline(item: RewardItem, timeout_s: float) -> tuple[float, str]:
+  """(reward, status) for one item, graded in this thread (which must be the main one)."""
+  previous = signal.signal(signal.SIGALRM, _on_alarm)
+  try:
+    try:
+      signal.setitimer(signal.ITIMER_REAL, timeout_s)
+      return graders.grade(item.response, item.ground_truth, item.reward_name,
+                           item.think_gate)
+    finally:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+  except _Deadline:
+    return 0.0, graders.TIMEOUT
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("reward %r raised %s: %s", item.reward_name, type(e).__name__, e)
+    return 0.0, graders.EXCEPTION
+  finally:
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _cap_address_space(max_memory_mb: int) -> None:
+  """Limits this process's virtual memory to its current size plus `max_memory_mb`."""
+  with open("/proc/self/statm") as f:
+    current = int(f.read().split()[0]) * resource.getpagesize()
+  limit = current + (max_memory_mb << 20)
+  resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _worker_main(conn, timeout_s: float, plugin_modules: Sequence[str],
+                 max_memory_mb: int) -> None:
+  """A worker's loop: receive (index, item), answer (index, reward, status)."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    for name in plugin_modules:
+      importlib.import_module(name)
+    if max_memory_mb and os.path.exists("/proc/self/statm"):  # Linux; skipped elsewhere
+      _cap_address_space(max_memory_mb)
+  except Exception as e:  # pylint: disable=broad-except
+    conn.send(("error", f"{type(e).__name__}: {e}"))
+    return
+  conn.send(_READY)
+  while True:
+    try:
+      task = conn.recv()
+    except EOFError:
+      return
+    if task is None:
+      return
+    index, item = task
+    conn.send((index, *grade_with_deadline(item, timeout_s)))
+
+
+class _Worker:
+  """One worker process, its pipe, and the item it holds (index, hard deadline)."""
+
+  def __init__(self, ctx, args):
+    self.conn, child_conn = ctx.Pipe()
+    self.process = ctx.Process(target=_worker_main, args=(child_conn, *args), daemon=True,
+                               name="exgrpo-reward-worker")
+    self.process.start()
+    child_conn.close()
+    self.ready = False
+    self.started = time.monotonic()
+    self.task: tuple[int, float] | None = None
+
+  def kill(self) -> None:
+    self.process.kill()
+    self.process.join(timeout=10)
+    self.conn.close()
+
+
+class RewardPool:
+  """Grades responses in `num_workers` processes; see the module docstring.
+
+  Args:
+    num_workers: worker processes; 0 grades in this process (debugging only: it needs
+      the main thread for SIGALRM and cannot recover from a hang inside C code).
+    timeout_s: per-item deadline.
+    grace_s: extra time before a silent worker is killed.
+    plugin_modules: modules every worker imports first (custom rewards registered in
+      `graders.REWARDS` from user code).
+    start_method: multiprocessing start method ("spawn" or "forkserver").
+    max_memory_mb: address-space headroom per worker (0 = no cap); a grader that needs
+      more fails with MemoryError and the item counts as an exception.
+    startup_timeout_s: how long a new worker may take to import its modules.
+  """
+
+  def __init__(self, num_workers: int = 4, timeout_s: float = 10.0, grace_s: float = 2.0,
+               plugin_modules: Sequence[str] = (), start_method: str = "spawn",
+               max_memory_mb: int = 4096, startup_timeout_s: float = 120.0):
+    if num_workers < 0 or timeout_s <= 0:
+      raise ValueError(f"RewardPool needs num_workers >= 0 and timeout_s > 0, got "
+                       f"{num_workers} and {timeout_s}")
+    self.num_workers = num_workers
+    self.timeout_s = float(timeout_s)
+    self.hard_timeout_s = float(timeout_s + grace_s)
+    self.startup_timeout_s = startup_timeout_s
+    self._ctx = multiprocessing.get_context(start_method)
+    self._args = (self.timeout_s, tuple(plugin_modules), max_memory_mb)
+    if num_workers == 0:
+      for name in plugin_modules:
+        importlib.import_module(name)
+    self._workers = [_Worker(self._ctx, self._args) for _ in range(num_workers)]
+    self._restarts = 0
+    try:
+      while not all(w.ready for w in self._workers):
+        starting = [w for w in self._workers if not w.ready]
+        self._poll(starting, min(w.started for w in starting) + startup_timeout_s, None, None)
+        self._check_startup()
+    except RuntimeError:
+      self.close()
+      raise
+
+  def score(self, items: Sequence[RewardItem]) -> tuple[np.ndarray, dict]:
+    """(rewards float32 [N], stats) for `items`, in order."""
+    rewards_N, _, stats = self.score_with_status(items)
+    return rewards_N, stats
+
+  def score_with_status(self, items: Sequence[RewardItem]):
+    """(rewards float32 [N], status [N] (one of graders.STATUSES), stats)."""
+    start = time.perf_counter()
+    restarts_before = self._restarts
+    rewards_N = np.zeros(len(items), np.float32)
+    status_N = np.full(len(items), graders.OK, dtype=object)
+    if self.num_workers == 0:
+      if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("RewardPool(num_workers=0) must be used from the main thread")
+      for i, item in enumerate(items):
+        rewards_N[i], status_N[i] = grade_with_deadline(item, self.timeout_s)
+    else:
+      self._run(items, rewards_N, status_N)
+    counts = collections.Counter(status_N.tolist())
+    stats = dict(total=len(items), correct=int((rewards_N > 0).sum()),
+                 timeouts=counts[graders.TIMEOUT], exceptions=counts[graders.EXCEPTION],
+                 crashes=counts[graders.CRASH], format_failures=counts[graders.FORMAT],
+                 no_answer=counts[graders.NO_ANSWER],
+                 worker_restarts=self._restarts - restarts_before,
+                 seconds=time.perf_counter() - start)
+    return rewards_N, status_N, stats
+
+  def _run(self, items, rewards_N, status_N) -> None:
+    if not self._workers:
+      raise RuntimeError("RewardPool is closed")
+    pending = collections.deque(range(len(items)))
+    while pending or any(w.task for w in self._workers):
+      for j, w in enumerate(self._workers):
+        if w.ready and w.task is None and pending:
+          index = pending.popleft()
+          try:
+            w.conn.send((index, items[index]))
+          except (BrokenPipeError, OSError):  # died while idle: not the item's fault
+            pending.appendleft(index)
+            self._replace(j)
+            continue
+          w.task = (index, time.monotonic() + self.hard_timeout_s)
+      busy = [w for w in self._workers if w.task or not w.ready]
+      deadline = min(w.task[1] if w.task else w.started + self.startup_timeout_s
+                     for w in busy)
+      self._poll(busy, deadline, rewards_N, status_N)
+      self._check_startup()
+      now = time.monotonic()
+      for j, w in enumerate(self._workers):
+        if w.task and now >= w.task[1]:
+          status_N[w.task[0]] = graders.TIMEOUT
+          self._replace(j)
+
+  def _poll(self, workers, deadline, rewards_N, status_N) -> None:
+    """Handles the messages (or deaths) of `workers` that arrive before `deadline`."""
+    by_conn = {w.conn: (j, w) for j, w in enumerate(self._workers) if w in workers}
+    timeout = max(0.0, deadline - time.monotonic())
+    for conn in multiprocessing.connection.wait(list(by_conn), timeout=timeout):
+      j, w = by_conn[conn]
+      try:
+        message = conn.recv()
+      except (EOFError, OSError):
+        if not w.ready:
+          raise RuntimeError("a reward worker died while starting (see its stderr)") from None
+        status_N[w.task[0]] = graders.CRASH
+        self._replace(j)
+        continue
+      if message == _READY:
+        w.ready = True
+      elif not w.ready:
+        raise RuntimeError(f"a reward worker failed to start: {message[1]}")
+      else:
+        index, reward, status = message
+        rewards_N[index], status_N[index] = reward, status
+        w.task = None
+
+  def _check_startup(self) -> None:
+    now = time.monotonic()
+    if any(not w.ready and now - w.started > self.startup_timeout_s for w in self._workers):
+      raise RuntimeError(f"a reward worker did not start within {self.startup_timeout_s} s")
+
+  def _replace(self, j: int) -> None:
+    self._workers[j].kill()
+    self._workers[j] = _Worker(self._ctx, self._args)
+    self._restarts += 1
+
+  def close(self) -> None:
+    """Stops every worker (politely, then by force)."""
+    for w in self._workers:
+      try:
+        w.conn.send(None)
+      except (BrokenPipeError, OSError):
+        pass
+    for w in self._workers:
+      w.process.join(timeout=2)
+      if w.process.is_alive():
+        w.process.kill()
+      w.process.join(timeout=10)
+      w.conn.close()
+    self._workers = []
+
+  def __enter__(self) -> "RewardPool":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

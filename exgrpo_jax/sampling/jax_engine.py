@@ -1,0 +1,135 @@
+"""The default rollout engine: the JAX KV-cache sampler (CPU, GPU, TPU).
+
+Shapes are bucketed so a training run compiles a handful of programs: the number of
+distinct prompts and of rows round up to a power of two up to 64 and to a multiple of 64
+beyond, the prompt length to a multiple of `prompt_bucket`; `max_new_tokens` and the
+static sampling switches (top-k, top-p on/off, entropy) complete the key. Temperature,
+top-p and greedy are traced, so training (T = 1) and evaluation (T = 0.6 or greedy)
+share a program. Compiled programs are kept per key, and `stats` reports compile and
+generation time separately.
+
+Randomness: row r (prompt-major, counting from 0 over the whole call) draws its step-t
+token with fold_in(fold_in(key, r), t), so the same key gives the same output, whatever
+the batch it was bucketed into or split across (`max_rows`).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from exgrpo_jax.sampling import base
+from exgrpo_jax.sampling import decode
+from exgrpo_jax.sampling import outputs
+
+
+def bucket(n: int) -> int:
+  """Power of two up to 64, then the next multiple of 64."""
+  return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
+
+
+@base.ENGINES.register("jax")
+class JaxEngine:
+  """Generates with `exgrpo_jax.sampling.decode.generate` on the default JAX devices.
+
+  Args:
+    model_cfg: the policy's ModelConfig.
+    tokenizer: HF tokenizer (texts, stop strings, EOS/pad ids); None for id-only use.
+    prompt_bucket: prompt lengths round up to a multiple of this.
+    max_rows: the most rows one compiled call decodes; larger requests are split by
+      prompt (a prompt's samples stay in one call). None: everything in one call.
+    ignore_eos: never stop on EOS (benchmarks: every row decodes max_new_tokens).
+  """
+
+  def __init__(self, model_cfg, tokenizer=None, prompt_bucket: int = 64,
+               max_rows: int | None = None, ignore_eos: bool = False):
+    self.model_cfg = model_cfg
+    self.tokenizer = tokenizer
+    self.prompt_bucket = prompt_bucket
+    self.max_rows = max_rows
+    self.eos_ids = (-1,) if ignore_eos else base.eos_ids(model_cfg, tokenizer)
+    self.pad_id = base.pad_id(model_cfg, tokenizer)
+    self._compiled = {}
+    self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0)
+
+  def update_weights(self, params) -> None:
+    """Nothing to do: the current params are an argument of every call."""
+    del params
+
+  def generate(self, prompt_ids, n, params, key, sampling: base.SamplingConfig):
+    """See `base.RolloutEngine`; `n` is an int or one count per prompt."""
+    counts = base.sample_counts(prompt_ids, n)
+    prompt_index_N = np.repeat(np.arange(len(counts)), counts).astype(np.int32)
+    if prompt_index_N.size == 0:
+      return outputs.empty(sampling.max_new_tokens, sampling.return_entropy)
+    longest = max(len(prompt_ids[i]) for i in set(prompt_index_N.tolist()))
+    if longest + sampling.max_new_tokens > self.model_cfg.max_position_embeddings:
+      raise ValueError(
+          f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
+          f"the model's max_position_embeddings={self.model_cfg.max_position_embeddings}")
+    start = time.perf_counter()
+    parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key, sampling)
+             for rows in self._split(counts)]
+    raw = {k: (None if parts[0][k] is None else np.concatenate([p[k] for p in parts]))
+           for k in parts[0]}
+    self.stats["generate_s"] += time.perf_counter() - start
+    self.stats["calls"] += 1
+    self.stats["new_tokens"] += int(raw["lengths_B"].sum())
+    return outputs.finalize(raw["tokens_BxN"], raw["logprobs_BxN"], raw["entropy_BxN"],
+                            raw["lengths_B"], raw["eos_B"], prompt_index_N, self.tokenizer,
+                            sampling.stop_strings, self.pad_id)
+
+  def _split(self, counts: np.ndarray) -> list[np.ndarray]:
+    """Row-index ranges for each call: whole prompts, at most `max_rows` rows each."""
+    ends = np.cumsum(counts)
+    if self.max_rows is None or ends[-1] <= self.max_rows:
+      return [np.arange(ends[-1])]
+    chunks, first = [], 0
+    for end, count in zip(ends, counts):
+      if count > self.max_rows:
+        raise ValueError(f"a prompt asks for {count} samples but max_rows={self.max_rows}")
+      if end - first > self.max_rows:
+        chunks.append(np.arange(first, end - count))
+        first = end - count
+    chunks.append(np.arange(first, ends[-1]))
+    return [c for c in chunks if c.size]
+
+  def _generate_rows(self, prompt_ids, prompt_index_R, rows_R, params, key, sampling):
+    """Runs one bucketed call for rows `rows_R` (global row ids) of prompts `prompt_index_R`."""
+    prompts, row_prompt_R = np.unique(prompt_index_R, return_inverse=True)
+    R, P = len(rows_R), len(prompts)
+    B, Pb = bucket(R), bucket(P)
+    L = -(-max(len(prompt_ids[p]) for p in prompts) // self.prompt_bucket) * self.prompt_bucket
+    prompt_PxL = np.full((Pb, L), self.pad_id, np.int32)
+    valid_PxL = np.zeros((Pb, L), bool)
+    for j, p in enumerate(prompts):
+      ids = np.asarray(prompt_ids[p], np.int32)
+      prompt_PxL[j, L - len(ids):] = ids
+      valid_PxL[j, L - len(ids):] = True
+    row_prompt_B = np.zeros(B, np.int32)
+    row_prompt_B[:R] = row_prompt_R
+    live_B = np.arange(B) < R
+    row_ids_B = np.concatenate([rows_R, np.arange(B - R) + rows_R[-1] + 1]).astype(np.uint32)
+    keys_B = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(row_ids_B))
+    args = (params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B,
+            np.float32(sampling.temperature), np.float32(sampling.top_p),
+            np.bool_(sampling.is_greedy), np.asarray(self.eos_ids, np.int32))
+    static = dict(max_new_tokens=sampling.max_new_tokens, pad_id=self.pad_id,
+                  top_k=0 if sampling.is_greedy else sampling.top_k,
+                  use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
+                  return_entropy=sampling.return_entropy)
+    result = jax.device_get(self._compile(args, static)(*args))
+    return {k: (None if v is None else v[:R]) for k, v in result.items()}
+
+  def _compile(self, args, static):
+    """The compiled program for these shapes and static options (compiled once)."""
+    signature = (tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
+                 tuple(sorted(static.items())))
+    if signature not in self._compiled:
+      start = time.perf_counter()
+      self._compiled[signature] = decode.generate.lower(
+          self.model_cfg, *args, **static).compile()
+      self.stats["compiles"] += 1
+      self.stats["compile_s"] += time.perf_counter() - start
+    return self._compiled[signature]

@@ -1,0 +1,33 @@
+"""Misbehaving rewards for the pool's failure tests, imported by workers as a plugin.
+
+Not a test file (pytest collects `*_test.py` only); `RewardPool(plugin_modules=
+["tests.reward_plugins"])` makes every worker import it, which registers these names.
+"""
+
+import os
+import signal
+import time
+
+from exgrpo_jax.rewards import graders
+
+
+@graders.REWARDS.register("test_hang_in_c")
+def hang_in_c(solution: str, ground_truth: str) -> float:
+  """Sleeps with SIGALRM blocked, like a long computation inside C code."""
+  del solution, ground_truth
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+  time.sleep(3600)
+  return 1.0
+
+
+@graders.REWARDS.register("test_crash")
+def crash(solution: str, ground_truth: str) -> float:
+  """Kills its worker process outright."""
+  del solution, ground_truth
+  os._exit(3)
+
+
+@graders.REWARDS.register("test_raise")
+def raise_error(solution: str, ground_truth: str) -> float:
+  """A grader bug: raises an ordinary exception."""
+  raise ValueError(f"cannot grade {solution!r} against {ground_truth!r}")
