@@ -70,7 +70,8 @@ def test_logprobs_only_and_bfloat16_inputs():
   assert entropy is None and logp.dtype == jnp.float32
   np.testing.assert_allclose(logp, _naive(hidden, unembed, targets)[0], atol=1e-5)
   # bfloat16 gradients against float32 ones from the same (bfloat16-valued) inputs: equal
-  # up to bfloat16 rounding (2^-8 relative) of the logit gradients used in the matmuls.
+  # up to bfloat16 rounding (2^-8 relative) of the logit gradients used in the matmuls
+  # (measured: 0.3% of the largest entry, as for the naive path in bfloat16).
   def objective(fn, h, u):
     lp, ent = fn(h, u, targets)
     return jnp.sum(lp) + 0.5 * jnp.sum(ent)
@@ -82,7 +83,7 @@ def test_logprobs_only_and_bfloat16_inputs():
   for g, g32 in zip(grads, grads32):
     assert g.dtype == jnp.bfloat16
     scale = np.abs(np.asarray(g32)).max()
-    np.testing.assert_allclose(np.asarray(g, np.float32), g32, atol=2e-2 * scale)
+    np.testing.assert_allclose(np.asarray(g, np.float32), g32, atol=1e-2 * scale)
 
 
 def _check_sequence_logprobs(cfg, params, tokens, valid):

@@ -16,6 +16,9 @@ from exgrpo_jax import sampling
 
 MAX_NEW = 12
 PROMPTS = [[5, 6, 7], list(range(20, 37)), [3, 9, 4, 11, 2, 8, 30, 31, 40]]
+# Most calls share this config and 3 prompts, so the tests compile few programs.
+BASE = sampling.SamplingConfig(max_new_tokens=MAX_NEW, return_entropy=True)
+GREEDY = dataclasses.replace(BASE, greedy=True)
 
 
 def tiny_model(eos=(1,)):
@@ -34,29 +37,36 @@ def tiny():
   return cfg, params, sampling.make_engine("jax", cfg, None)
 
 
-def teacher_forced(cfg, params, prompt, response, temperature=1.0):
-  """log_softmax(logits / T) of every response token and the entropy, one full forward."""
-  ids = np.array([list(prompt) + list(response)], np.int32)
-  logits, _ = models.apply(cfg, params, ids)
-  scaled = np.asarray(logits[0], np.float64)[len(prompt) - 1:-1] / temperature
-  logp = special.log_softmax(scaled, axis=-1)
-  entropy = -(np.exp(logp) * logp).sum(-1)
-  return logp[np.arange(len(response)), response], entropy
+def teacher_forced(cfg, params, prompts, responses, temperature=1.0):
+  """Per row: log_softmax(logits / T) of each response token and the full entropy.
+
+  One right-padded forward of prompt + response for all rows (no cache)."""
+  rows = [list(p) + list(r) for p, r in zip(prompts, responses)]
+  ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
+  valid = np.zeros(ids.shape, bool)
+  for i, row in enumerate(rows):
+    ids[i, :len(row)], valid[i, :len(row)] = row, True
+  logits = np.asarray(jax.jit(models.apply, static_argnums=0)(cfg, params, ids, valid)[0])
+  out = []
+  for i, (p, r) in enumerate(zip(prompts, responses)):
+    logp = special.log_softmax(logits[i, len(p) - 1:len(p) - 1 + len(r)] / temperature, -1)
+    out.append((logp[np.arange(len(r)), r], -(np.exp(logp) * logp).sum(-1)))
+  return out
 
 
 @pytest.mark.parametrize("config", [
-    sampling.SamplingConfig(max_new_tokens=MAX_NEW, return_entropy=True),
-    sampling.SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.7, top_p=0.9, top_k=20,
-                            return_entropy=True),
+    BASE, dataclasses.replace(BASE, temperature=0.7, top_p=0.9, top_k=20),
 ], ids=["T1", "T0.7-topk-topp"])
 def test_logprobs_and_entropy_equal_teacher_forced(tiny, config):
   cfg, params, engine = tiny
   out = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(3), config)
   np.testing.assert_array_equal(out.prompt_index_N, [0, 0, 1, 2, 2, 2])
-  for r, length in enumerate(out.lengths_N):
-    response = out.tokens_NxT[r, :length]
-    logp, entropy = teacher_forced(cfg, params, PROMPTS[out.prompt_index_N[r]], response,
-                                   config.temperature)
+  assert (out.lengths_N > 1).all()
+  responses = [out.tokens_NxT[r, :n] for r, n in enumerate(out.lengths_N)]
+  reference = teacher_forced(cfg, params, [PROMPTS[i] for i in out.prompt_index_N],
+                             responses, config.temperature)
+  for r, (logp, entropy) in enumerate(reference):
+    length = out.lengths_N[r]
     np.testing.assert_allclose(out.logprobs_NxT[r, :length], logp, atol=1e-5)
     np.testing.assert_allclose(out.entropy_NxT[r, :length], entropy, atol=1e-4)
     assert not out.logprobs_NxT[r, length:].any() and not out.entropy_NxT[r, length:].any()
@@ -64,45 +74,49 @@ def test_logprobs_and_entropy_equal_teacher_forced(tiny, config):
 
 def test_greedy_is_independent_of_batch_neighbours(tiny):
   cfg, params, engine = tiny
-  greedy = sampling.SamplingConfig(max_new_tokens=MAX_NEW, greedy=True)
-  alone = engine.generate([PROMPTS[0]], 1, params, jax.random.key(0), greedy)
+  alone = engine.generate([PROMPTS[0], [7], [8]], 1, params, jax.random.key(0), GREEDY)
   longer = list(range(1, 100))  # pushes the prompt bucket from 64 to 128
   for batch in ([PROMPTS[0], longer, [7]], [[7], longer, PROMPTS[0]]):
-    out = engine.generate(batch, 1, params, jax.random.key(5), greedy)
+    out = engine.generate(batch, 1, params, jax.random.key(5), GREEDY)
     row = batch.index(PROMPTS[0])
     np.testing.assert_array_equal(out.tokens_NxT[row], alone.tokens_NxT[0])
     np.testing.assert_allclose(out.logprobs_NxT[row], alone.logprobs_NxT[0], atol=1e-5)
   # Greedy means argmax of the model's next-token logits at every step.
   response = alone.tokens_NxT[0, :alone.lengths_N[0]]
-  ids = np.array([PROMPTS[0] + list(response)], np.int32)
-  logits, _ = models.apply(cfg, params, ids)
+  logits, _ = models.apply(cfg, params, np.array([PROMPTS[0] + list(response)], np.int32))
   np.testing.assert_array_equal(np.argmax(logits[0, len(PROMPTS[0]) - 1:-1], -1), response)
 
 
-def test_same_key_same_output_whatever_the_split(tiny):
-  cfg, params, engine = tiny
-  config = sampling.SamplingConfig(max_new_tokens=MAX_NEW)
-  a = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(7), config)
-  b = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(7), config)
-  split = sampling.make_engine("jax", cfg, None, max_rows=3).generate(
-      PROMPTS, [2, 1, 3], params, jax.random.key(7), config)
-  other = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(8), config)
-  for out in (b, split):
-    np.testing.assert_array_equal(out.tokens_NxT, a.tokens_NxT)
-    np.testing.assert_allclose(out.logprobs_NxT, a.logprobs_NxT, atol=1e-6)
+def test_same_key_same_output_whatever_the_batch(tiny):
+  _, params, engine = tiny
+  a = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(7), BASE)
+  b = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(7), BASE)
+  np.testing.assert_array_equal(b.tokens_NxT, a.tokens_NxT)
+  # Rows 0-2 again, in a smaller batch (other bucket): the same draws.
+  head = engine.generate(PROMPTS[:2], [2, 1], params, jax.random.key(7), BASE)
+  np.testing.assert_array_equal(head.tokens_NxT, a.tokens_NxT[:3])
+  np.testing.assert_allclose(head.logprobs_NxT, a.logprobs_NxT[:3], atol=1e-6)
+  other = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(8), BASE)
   assert (other.tokens_NxT != a.tokens_NxT).any()
-  # The two samples of prompt 0 are different draws.
-  assert (a.tokens_NxT[0] != a.tokens_NxT[1]).any()
+  assert (a.tokens_NxT[0] != a.tokens_NxT[1]).any()  # two samples, two draws
+
+
+def test_max_rows_splits_whole_prompts(tiny):
+  cfg, _, _ = tiny
+  engine = sampling.make_engine("jax", cfg, None, max_rows=3)
+  chunks = engine._split(np.array([2, 1, 3, 0, 1]))  # pylint: disable=protected-access
+  assert [c.tolist() for c in chunks] == [[0, 1, 2], [3, 4, 5], [6]]
+  with pytest.raises(ValueError, match="asks for 4 samples but max_rows=3"):
+    engine._split(np.array([1, 4]))  # pylint: disable=protected-access
 
 
 def test_eos_ends_a_row_and_is_kept_in_the_mask(tiny):
   cfg, params, engine = tiny
-  greedy = sampling.SamplingConfig(max_new_tokens=MAX_NEW, greedy=True)
-  free = engine.generate(PROMPTS, 1, params, jax.random.key(0), greedy)
+  free = engine.generate([PROMPTS[0], [7], [8]], 1, params, jax.random.key(0), GREEDY)
   eos = int(free.tokens_NxT[1, 3])  # row 1 emits it at step 3 (or earlier)
   eos_cfg = dataclasses.replace(cfg, eos_token_id=(eos,))
   out = sampling.make_engine("jax", eos_cfg, None).generate(
-      PROMPTS, 1, params, jax.random.key(0), greedy)
+      [PROMPTS[0], [7], [8]], 1, params, jax.random.key(0), GREEDY)
   for r in range(3):
     hits = np.flatnonzero(free.tokens_NxT[r] == eos)
     length = hits[0] + 1 if hits.size else MAX_NEW
@@ -115,26 +129,23 @@ def test_eos_ends_a_row_and_is_kept_in_the_mask(tiny):
 
 
 def test_counts_per_prompt_and_empty_requests(tiny):
-  cfg, params, engine = tiny
-  config = sampling.SamplingConfig(max_new_tokens=MAX_NEW)
-  out = engine.generate(PROMPTS, [0, 2, 1], params, jax.random.key(1), config)
+  _, params, engine = tiny
+  out = engine.generate(PROMPTS, [0, 2, 1], params, jax.random.key(1), BASE)
   np.testing.assert_array_equal(out.prompt_index_N, [1, 1, 2])
   assert out.tokens_NxT.shape == (3, MAX_NEW) and len(out.texts) == 3
-  empty = engine.generate(PROMPTS, 0, params, jax.random.key(1), config)
+  empty = engine.generate(PROMPTS, 0, params, jax.random.key(1), BASE)
   assert empty.tokens_NxT.shape == (0, MAX_NEW) and empty.texts == []
 
 
 def test_new_params_and_batch_sizes_in_a_bucket_do_not_recompile(tiny):
-  cfg, params, engine = tiny
-  config = sampling.SamplingConfig(max_new_tokens=MAX_NEW)
-  engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(0), config)
+  _, params, engine = tiny
+  engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(0), BASE)
   compiles = engine.stats["compiles"]
   shifted = jax.tree.map(lambda x: x * 1.01, params)
-  engine.generate(PROMPTS, [1, 2, 4], shifted, jax.random.key(1), config)  # 7 rows -> 8
+  engine.generate(PROMPTS, [1, 2, 4], shifted, jax.random.key(1), BASE)  # 7 rows -> 8
   engine.generate(PROMPTS, 2, params, jax.random.key(2),
-                  dataclasses.replace(config, temperature=0.5))  # traced temperature
-  engine.generate(PROMPTS, 2, params, jax.random.key(2),
-                  dataclasses.replace(config, greedy=True))  # traced greedy switch
+                  dataclasses.replace(BASE, temperature=0.5))  # traced temperature
+  engine.generate(PROMPTS, 2, params, jax.random.key(2), GREEDY)  # traced greedy switch
   assert engine.stats["compiles"] == compiles
 
 

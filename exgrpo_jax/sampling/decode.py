@@ -58,10 +58,10 @@ def _decode_step(cfg, params, layer_params, caches, valid_BxS, index, token_B):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "cfg", "max_new_tokens", "pad_id", "top_k", "use_top_p", "return_entropy"))
+    "cfg", "max_new_tokens", "top_k", "use_top_p", "return_entropy"))
 def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, temperature,
-             top_p, greedy, eos_ids_E, *, max_new_tokens: int, pad_id: int, top_k: int,
-             use_top_p: bool, return_entropy: bool):
+             top_p, greedy, eos_ids_E, *, max_new_tokens: int, top_k: int, use_top_p: bool,
+             return_entropy: bool):
   """Samples up to `max_new_tokens` tokens for every row.
 
   Args:
@@ -73,11 +73,11 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
     keys_B: one PRNG key per row; the row's step-t key is fold_in(keys_B[row], t).
     temperature, top_p, greedy: scalars (traced: changing them does not recompile).
     eos_ids_E: int32 ids that end a row (emitted and counted in its length).
-    max_new_tokens, pad_id, top_k, use_top_p, return_entropy: static options, see
+    max_new_tokens, top_k, use_top_p, return_entropy: static options, see
       `categorical.choose_tokens`.
 
   Returns:
-    dict of tokens_BxN (int32, pad after the end), logprobs_BxN (0 after the end),
+    dict of tokens_BxN (int32; 0 after the end), logprobs_BxN (0 after the end),
     entropy_BxN (or None), lengths_B (tokens emitted, EOS included) and eos_B (whether
     the row ended on an EOS id).
   """
@@ -105,7 +105,7 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
     step_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, t)
     token_B, logp_B, ent_B = choose(logits_BxV, step_keys_B, temperature, top_p, greedy)
     active_B = ~done_B
-    token_B = jnp.where(active_B, token_B, pad_id)
+    token_B = jnp.where(active_B, token_B, 0)
     tokens_BxN = jax.lax.dynamic_update_slice_in_dim(tokens_BxN, token_B[:, None], t, 1)
     logp_BxN = jax.lax.dynamic_update_slice_in_dim(
         logp_BxN, jnp.where(active_B, logp_B, 0.0)[:, None], t, 1)
@@ -120,7 +120,7 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
             ent_BxN)
 
   state = (jnp.int32(0), caches, valid_BxS, logits_BxV, ~live_B, jnp.zeros((B,), jnp.int32),
-           jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
+           jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32),
            jnp.zeros((B, N), jnp.float32) if return_entropy else None)
   _, _, _, _, done_B, lengths_B, tokens_BxN, logp_BxN, ent_BxN = jax.lax.while_loop(
       cond, body, state)

@@ -5,14 +5,16 @@ distinct prompts and of rows round up to a power of two up to 64 and to a multip
 beyond, the prompt length to a multiple of `prompt_bucket`; `max_new_tokens` and the
 static sampling switches (top-k, top-p on/off, entropy) complete the key. Temperature,
 top-p and greedy are traced, so training (T = 1) and evaluation (T = 0.6 or greedy)
-share a program. Compiled programs are kept per key, and `stats` reports compile and
-generation time separately.
+share a program. Compiled programs are kept per key (shared by all engines of this
+process; token ids such as EOS are arguments, not part of the key), and `stats` reports
+compile and generation time separately.
 
 Randomness: row r (prompt-major, counting from 0 over the whole call) draws its step-t
 token with fold_in(fold_in(key, r), t), so the same key gives the same output, whatever
 the batch it was bucketed into or split across (`max_rows`).
 """
 
+import dataclasses
 import time
 
 import jax
@@ -22,6 +24,10 @@ import numpy as np
 from exgrpo_jax.sampling import base
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
+
+
+# (model config, argument shapes, static options) -> compiled `decode.generate`.
+_COMPILED = {}
 
 
 def bucket(n: int) -> int:
@@ -50,7 +56,10 @@ class JaxEngine:
     self.max_rows = max_rows
     self.eos_ids = (-1,) if ignore_eos else base.eos_ids(model_cfg, tokenizer)
     self.pad_id = base.pad_id(model_cfg, tokenizer)
-    self._compiled = {}
+    # Token ids do not change the program; leaving them out of the key lets engines with
+    # other EOS ids share it.
+    self._program_cfg = dataclasses.replace(model_cfg, eos_token_id=(), bos_token_id=None,
+                                            pad_token_id=None)
     self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0)
 
   def update_weights(self, params) -> None:
@@ -115,7 +124,7 @@ class JaxEngine:
     args = (params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B,
             np.float32(sampling.temperature), np.float32(sampling.top_p),
             np.bool_(sampling.is_greedy), np.asarray(self.eos_ids, np.int32))
-    static = dict(max_new_tokens=sampling.max_new_tokens, pad_id=self.pad_id,
+    static = dict(max_new_tokens=sampling.max_new_tokens,
                   top_k=0 if sampling.is_greedy else sampling.top_k,
                   use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                   return_entropy=sampling.return_entropy)
@@ -124,12 +133,12 @@ class JaxEngine:
 
   def _compile(self, args, static):
     """The compiled program for these shapes and static options (compiled once)."""
-    signature = (tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
+    signature = (self._program_cfg, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
                  tuple(sorted(static.items())))
-    if signature not in self._compiled:
+    if signature not in _COMPILED:
       start = time.perf_counter()
-      self._compiled[signature] = decode.generate.lower(
-          self.model_cfg, *args, **static).compile()
+      _COMPILED[signature] = decode.generate.lower(
+          self._program_cfg, *args, **static).compile()
       self.stats["compiles"] += 1
       self.stats["compile_s"] += time.perf_counter() - start
-    return self._compiled[signature]
+    return _COMPILED[signature]
