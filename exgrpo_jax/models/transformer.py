@@ -29,22 +29,24 @@ _NEG_INF = float(jnp.finfo(jnp.float32).min)
 class KVCache:
   """Keys/values of every layer for S slots, and which slots hold real tokens.
 
-  k_LxBxKxSxDh, v_LxBxKxSxDh: cached keys and values (compute dtype); slots sit next to
-    head_dim so decoding reads each head's keys without transposing the cache.
+  k_LxBxKxDhxS, v_LxBxKxSxDh: cached keys (transposed) and values, in the compute
+    dtype, laid out so both attention matmuls read them as plain [Dh, S] and [S, Dh]
+    operands per (batch, kv head), with no transpose of the cache.
   valid_BxS: True where a slot holds a real (non-padding) token.
   index: the next slot to write (same for the whole batch).
   """
 
-  k_LxBxKxSxDh: jax.Array
+  k_LxBxKxDhxS: jax.Array
   v_LxBxKxSxDh: jax.Array
   valid_BxS: jax.Array
   index: jax.Array
 
   @classmethod
   def zeros(cls, cfg: config_lib.ModelConfig, batch: int, slots: int) -> "KVCache":
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    L, K, Dh = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     dtype = config_lib.dtype_from_name(cfg.dtype)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+    return cls(jnp.zeros((L, batch, K, Dh, slots), dtype),
+               jnp.zeros((L, batch, K, slots, Dh), dtype),
                jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
 
 
@@ -136,27 +138,31 @@ class Attention(nn.Module):
     k_BxTxKxDh = apply_rope(project("k_proj", K, "kv_heads"), positions_BxT, inv_freq)
     v_BxTxKxDh = project("v_proj", K, "kv_heads")
 
-    k_BxKxTxDh = k_BxTxKxDh.transpose(0, 2, 1, 3)
+    k_BxKxDhxT = k_BxTxKxDh.transpose(0, 2, 3, 1)
     v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
     if cache_kv is not None:
       cache_k, cache_v, index = cache_kv
-      k_BxKxSxDh = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxKxTxDh, index, axis=2)
+      k_BxKxDhxS = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxKxDhxT, index, axis=3)
       v_BxKxSxDh = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxKxTxDh, index, axis=2)
-      new_kv = (k_BxKxSxDh, v_BxKxSxDh)
+      new_kv = (k_BxKxDhxS, v_BxKxSxDh)
     else:
-      k_BxKxSxDh, v_BxKxSxDh, new_kv = k_BxKxTxDh, v_BxKxTxDh, None
+      k_BxKxDhxS, v_BxKxSxDh, new_kv = k_BxKxDhxT, v_BxKxTxDh, None
 
+    # Query rows m = (group member g, position t) per KV head, so both attention matmuls
+    # are plain [M, Dh] x [Dh, S] and [M, S] x [S, Dh] matmuls batched over (b, k), which
+    # XLA:CPU's library dot runs directly; other arrangements made XLA transpose the
+    # cache (or, on every decode step, the o_proj weight) or use a slow generic dot.
     B, T = x_BxTxD.shape[:2]
-    q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
+    G, S = H // K, k_BxKxDhxS.shape[3]
+    q_BxKxMxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(
+        B, K, G * T, Dh)
+    scores = jnp.einsum("bkmh,bkhs->bkms", q_BxKxMxDh, k_BxKxDhxS,
                         preferred_element_type=jnp.float32) / math.sqrt(Dh)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    # Output [B, K, G, T, Dh] (the natural batched-matmul layout; asking for
-    # [B, T, K, G, Dh] here made XLA:CPU pick a slow non-library dot), then transpose.
-    out_BxKxGxTxDh = jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxDh)
-    out_BxTxKxGxDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4)
-    out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, H, Dh)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores.reshape(B, K, G, T, S), _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(B, K, G * T, S)
+    out_BxKxMxDh = jnp.einsum("bkms,bksh->bkmh", probs, v_BxKxSxDh)
+    out_BxTxHxDh = out_BxKxMxDh.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(
+        B, T, H, Dh)
     w_o = _param(self, "o_proj", init, (H, Dh, D), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)), new_kv
 
@@ -261,7 +267,7 @@ class Transformer(nn.Module):
     else:
       valid_BxS, positions_BxT, mask_BxTxS = cache_positions_and_mask(
           cache.valid_BxS, cache.index, valid_BxT)
-      layer_caches = (cache.k_LxBxKxSxDh, cache.v_LxBxKxSxDh,
+      layer_caches = (cache.k_LxBxKxDhxS, cache.v_LxBxKxSxDh,
                       jnp.broadcast_to(cache.index, (cfg.num_layers,)))
 
     x_BxTxD, new_kv = self.layers(x_BxTxD, layer_caches, positions_BxT, mask_BxTxS)

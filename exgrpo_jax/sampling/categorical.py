@@ -7,9 +7,12 @@ cost per step matters (V = 49152 for SmolLM2, 152k for Qwen2.5):
   (pick a block of `_BLOCK` tokens by the block masses, then the token inside it), so a
   step costs two passes over the logits instead of the V random numbers and two logs per
   entry of Gumbel-max (which was ~10x slower on CPU).
-* top-k uses `lax.top_k` only when `top_k > 0`; top-p finds its probability threshold by
-  bisection on the float bit pattern (31 masked sums) instead of sorting V entries, which
-  XLA:CPU does slowly. Neither runs when it is off.
+* top-k and top-p find their thresholds by bisection over the 2^32 float values (32
+  passes of a masked count or sum) instead of sorting V entries or `lax.top_k`, which
+  XLA:CPU runs slowly (~0.5 s per call at [64, 49152] for k >= 20). Neither runs when it
+  is off.
+* Greedy picks the lowest index attaining the row maximum (argmax's tie rule) with a
+  plain min-reduction, under `lax.cond`, so the sampled path pays nothing for it.
 
 What is returned as the token's log-prob: log_softmax(logits / T)[token], the full
 temperature-scaled distribution *before* top-k/top-p truncation (the learner's
@@ -31,9 +34,40 @@ def scale(logits_BxV: jax.Array, temperature: jax.Array) -> jax.Array:
   return logits_BxV / jnp.where(temperature > 0, temperature, 1.0)
 
 
+def _order_key(x: jax.Array) -> jax.Array:
+  """uint32 keys that order like the float32 values (for non-NaN values)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _from_order_key(key: jax.Array) -> jax.Array:
+  """Inverse of `_order_key`."""
+  bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _bisect(x_BxV: jax.Array, go_low) -> jax.Array:
+  """Per row, the smallest float32 t with `go_low(t)`, for a `go_low` that is monotone in
+  t, False just below the row's minimum and True at its maximum. Exact: 32 halvings of
+  the uint32 keys that order the float32 values."""
+  def body(_, bounds):
+    lo_B, hi_B = bounds  # go_low(lo) is False, go_low(hi) is True
+    mid_B = lo_B + (hi_B - lo_B) // 2
+    low = go_low(_from_order_key(mid_B))
+    return jnp.where(low, lo_B, mid_B), jnp.where(low, mid_B, hi_B)
+
+  lo_B = _order_key(jnp.min(x_BxV, axis=-1)) - 1
+  hi_B = _order_key(jnp.max(x_BxV, axis=-1))
+  _, hi_B = jax.lax.fori_loop(0, 32, body, (lo_B, hi_B))
+  return _from_order_key(hi_B)
+
+
 def top_k_mask(scaled_BxV: jax.Array, k: int) -> jax.Array:
-  """True on the k largest entries of each row (ties with the k-th value are kept)."""
-  kth_B = jax.lax.top_k(scaled_BxV, k)[0][:, -1]
+  """True on the k largest entries of each row (ties with the k-th value are kept).
+
+  The k-th largest value is the smallest t with fewer than k entries above it.
+  """
+  kth_B = _bisect(scaled_BxV, lambda t_B: jnp.sum(scaled_BxV > t_B[:, None], axis=-1) < k)
   return scaled_BxV >= kth_B[:, None]
 
 
@@ -41,28 +75,12 @@ def top_p_mask(probs_BxV: jax.Array, top_p: jax.Array) -> jax.Array:
   """True on the nucleus: tokens whose strictly more probable tokens hold < top_p mass.
 
   `probs_BxV` are normalised probabilities (zeros where already excluded). The kept set
-  is {p >= tau} for the smallest tau with mass(p > tau) < top_p; tau is found by
-  bisection over the int32 bit patterns of non-negative floats, which order like the
-  floats, so 31 steps land on the exact threshold.
+  is {p >= tau} for the smallest tau with mass(p > tau) < top_p.
   """
-  bits_BxV = jax.lax.bitcast_convert_type(probs_BxV, jnp.int32)
   top_p = jnp.asarray(top_p, jnp.float32)
-
-  def mass_above(bits_B):
-    return jnp.sum(jnp.where(bits_BxV > bits_B[:, None], probs_BxV, 0.0), axis=-1)
-
-  def body(_, bounds):
-    lo_B, hi_B = bounds  # mass_above(lo) >= top_p > mass_above(hi)
-    mid_B = lo_B + (hi_B - lo_B) // 2
-    below = mass_above(mid_B) < top_p
-    return jnp.where(below, lo_B, mid_B), jnp.where(below, mid_B, hi_B)
-
-  lo_B = jnp.full(bits_BxV.shape[:1], -1, jnp.int32)
-  hi_B = jnp.max(bits_BxV, axis=-1)
-  _, hi_B = jax.lax.fori_loop(0, 31, body, (lo_B, hi_B))
-  # hi is the smallest bit pattern with mass_above < top_p; tokens with p >= hi and
-  # every token with mass_above(p) < top_p are the same set.
-  return bits_BxV >= hi_B[:, None]
+  tau_B = _bisect(probs_BxV, lambda t_B: jnp.sum(
+      jnp.where(probs_BxV > t_B[:, None], probs_BxV, 0.0), axis=-1) < top_p)
+  return probs_BxV >= tau_B[:, None]
 
 
 def inverse_cdf_sample(weights_BxV: jax.Array, uniform_B: jax.Array) -> jax.Array:
@@ -102,7 +120,7 @@ def choose_tokens(logits_BxV: jax.Array, keys_B: jax.Array, temperature: jax.Arr
     temperature: scalar T.
     top_p: scalar nucleus mass (used when `use_top_p`).
     greedy: scalar bool, argmax instead of sampling (traced, so greedy and sampled
-      generation share one compiled program; the draw is cheap next to the model).
+      generation share one compiled program).
     top_k: static; 0 disables.
     use_top_p: static; whether the top-p filter runs at all.
     return_entropy: static; whether to compute the full-vocabulary entropy.
@@ -119,8 +137,12 @@ def choose_tokens(logits_BxV: jax.Array, keys_B: jax.Array, temperature: jax.Arr
     probs_BxV = weights_BxV / jnp.sum(weights_BxV, axis=-1, keepdims=True)
     weights_BxV = jnp.where(top_p_mask(probs_BxV, top_p), weights_BxV, 0.0)
   uniform_B = jax.vmap(jax.random.uniform)(keys_B)
-  token_B = jnp.where(greedy, jnp.argmax(scaled_BxV, axis=-1).astype(jnp.int32),
-                      inverse_cdf_sample(weights_BxV, uniform_B))
+  token_B = jax.lax.cond(
+      greedy,
+      lambda: jnp.min(jnp.where(scaled_BxV == max_B[:, None],
+                                jnp.arange(scaled_BxV.shape[1], dtype=jnp.int32),
+                                scaled_BxV.shape[1]), axis=-1),
+      lambda: inverse_cdf_sample(weights_BxV, uniform_B))
   logprob_B = jnp.take_along_axis(scaled_BxV, token_B[:, None], axis=-1)[:, 0] - logz_B
   entropy_B = None
   if return_entropy:

@@ -2,10 +2,11 @@
 
 Shapes are bucketed so a training run compiles a handful of programs: the number of
 distinct prompts and of rows round up to a power of two up to 64 and to a multiple of 64
-beyond, the prompt length to a multiple of `prompt_bucket`; `max_new_tokens` and the
-static sampling switches (top-k, top-p on/off, entropy) complete the key. Temperature,
-top-p and greedy are traced, so training (T = 1) and evaluation (T = 0.6 or greedy)
-share a program. Compiled programs are kept per key (shared by all engines of this
+beyond; the longest prompt rounds up to a multiple of 1/8 of the next power of two (at
+least `min_prompt_bucket`): 4 lengths per doubling, less than 1/4 of the prefill spent
+on bucket padding. `max_new_tokens` and the static sampling switches (top-k, top-p
+on/off, entropy) complete the key. Temperature, top-p and greedy are traced, so
+training (T = 1) and evaluation (T = 0.6 or greedy) share a program. Compiled programs are kept per key (shared by all engines of this
 process; token ids such as EOS are arguments, not part of the key), and `stats` reports
 compile and generation time separately.
 
@@ -35,6 +36,12 @@ def bucket(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
 
 
+def length_bucket(n: int, minimum: int) -> int:
+  """n rounded up to a multiple of max(minimum, next power of two / 8)."""
+  step = max(minimum, (1 << max(n - 1, 0).bit_length()) // 8)
+  return -(-n // step) * step
+
+
 @base.ENGINES.register("jax")
 class JaxEngine:
   """Generates with `exgrpo_jax.sampling.decode.generate` on the default JAX devices.
@@ -42,17 +49,17 @@ class JaxEngine:
   Args:
     model_cfg: the policy's ModelConfig.
     tokenizer: HF tokenizer (texts, stop strings, EOS/pad ids); None for id-only use.
-    prompt_bucket: prompt lengths round up to a multiple of this.
+    min_prompt_bucket: the finest prompt-length bucket (see the module docstring).
     max_rows: the most rows one compiled call decodes; larger requests are split by
       prompt (a prompt's samples stay in one call). None: everything in one call.
     ignore_eos: never stop on EOS (benchmarks: every row decodes max_new_tokens).
   """
 
-  def __init__(self, model_cfg, tokenizer=None, prompt_bucket: int = 64,
+  def __init__(self, model_cfg, tokenizer=None, min_prompt_bucket: int = 16,
                max_rows: int | None = None, ignore_eos: bool = False):
     self.model_cfg = model_cfg
     self.tokenizer = tokenizer
-    self.prompt_bucket = prompt_bucket
+    self.min_prompt_bucket = min_prompt_bucket
     self.max_rows = max_rows
     self.eos_ids = (-1,) if ignore_eos else base.eos_ids(model_cfg, tokenizer)
     self.pad_id = base.pad_id(model_cfg, tokenizer)
@@ -60,7 +67,8 @@ class JaxEngine:
     # other EOS ids share it.
     self._program_cfg = dataclasses.replace(model_cfg, eos_token_id=(), bos_token_id=None,
                                             pad_token_id=None)
-    self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0)
+    self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0,
+                      memory={})
 
   def update_weights(self, params) -> None:
     """Nothing to do: the current params are an argument of every call."""
@@ -109,7 +117,7 @@ class JaxEngine:
     prompts, row_prompt_R = np.unique(prompt_index_R, return_inverse=True)
     R, P = len(rows_R), len(prompts)
     B, Pb = bucket(R), bucket(P)
-    L = -(-max(len(prompt_ids[p]) for p in prompts) // self.prompt_bucket) * self.prompt_bucket
+    L = length_bucket(max(len(prompt_ids[p]) for p in prompts), self.min_prompt_bucket)
     prompt_PxL = np.full((Pb, L), self.pad_id, np.int32)
     valid_PxL = np.zeros((Pb, L), bool)
     for j, p in enumerate(prompts):
@@ -133,7 +141,9 @@ class JaxEngine:
 
   def _compile(self, args, static):
     """The compiled program for these shapes and static options (compiled once)."""
-    signature = (self._program_cfg, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
+    signature = (self._program_cfg,
+                 tuple((a.shape, a.dtype, getattr(a, "sharding", None))
+                       for a in jax.tree.leaves(args)),
                  tuple(sorted(static.items())))
     if signature not in _COMPILED:
       start = time.perf_counter()
@@ -141,4 +151,8 @@ class JaxEngine:
           self._program_cfg, *args, **static).compile()
       self.stats["compiles"] += 1
       self.stats["compile_s"] += time.perf_counter() - start
+    memory = _COMPILED[signature].memory_analysis()
+    if memory is not None:
+      self.stats["memory"] = {k: getattr(memory, k + "_size_in_bytes") for k in
+                              ("argument", "output", "temp", "generated_code")}
     return _COMPILED[signature]

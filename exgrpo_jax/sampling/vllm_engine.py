@@ -29,7 +29,8 @@ GPU memory: JAX and vLLM share the GPU and each reserves memory up front.
 Log-probs: vLLM runs with `logprobs_mode="processed_logprobs"` (after temperature), which
 is the JAX engine's log_softmax(logits / T) whenever top-k/top-p are off (the trainer's
 setting); with them on, vLLM renormalises over the kept tokens, so its values are
-higher than the JAX engine's by -log(kept mass). Entropy is not available.
+higher than the JAX engine's by -log(kept mass). Greedy requests run at temperature 0,
+for which vLLM reports log-probs at T = 1. Entropy is not available.
 """
 
 import importlib.util
@@ -95,13 +96,14 @@ def weight_chunks(cfg: config_lib.ModelConfig, params, max_bytes: int = _LOAD_CH
 
 
 def sampling_params_kwargs(sampling: base.SamplingConfig, count: int, seed: int,
-                           eos_ids: tuple[int, ...]) -> dict:
+                           eos_ids: tuple[int, ...], ignore_eos: bool = False) -> dict:
   """vLLM `SamplingParams` arguments for one prompt's `count` samples."""
   return dict(
       n=count, temperature=0.0 if sampling.is_greedy else sampling.temperature,
       top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
       max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed,
-      stop=list(sampling.stop_strings) or None, stop_token_ids=list(eos_ids),
+      stop=list(sampling.stop_strings) or None, ignore_eos=ignore_eos,
+      stop_token_ids=[] if ignore_eos else list(eos_ids),
       include_stop_str_in_output=True, skip_special_tokens=True)
 
 
@@ -145,12 +147,13 @@ class VllmEngine:
     dtype: vLLM's compute dtype (default: the model config's).
     max_model_len: longest prompt + response (default: max_position_embeddings).
     seed: vLLM's engine seed (per-request seeds come from the call's key).
+    ignore_eos: never stop on EOS (benchmarks).
     **llm_kwargs: passed to `vllm.LLM` (e.g. enforce_eager=True).
   """
 
   def __init__(self, model_cfg, tokenizer, gpu_memory_utilization: float = 0.3,
                dtype: str | None = None, max_model_len: int | None = None, seed: int = 0,
-               **llm_kwargs):
+               ignore_eos: bool = False, **llm_kwargs):
     check_available()
     check_memory_split(gpu_memory_utilization)
     if tokenizer is None:
@@ -160,6 +163,7 @@ class VllmEngine:
     self.model_cfg, self.tokenizer = model_cfg, tokenizer
     self.eos_ids = base.eos_ids(model_cfg, tokenizer)
     self.pad_id = base.pad_id(model_cfg, tokenizer)
+    self.ignore_eos = ignore_eos
     self._dir = tempfile.TemporaryDirectory(prefix="exgrpo_vllm_")
     with open(os.path.join(self._dir.name, "config.json"), "w") as f:
       json.dump(config_lib.to_hf_config(model_cfg, torch_dtype=model_cfg.param_dtype), f)
@@ -200,6 +204,7 @@ class VllmEngine:
       return outputs.empty(sampling.max_new_tokens, False)
     requests = [{"prompt_token_ids": list(map(int, prompt_ids[i]))} for i in live]
     params_list = [self._vllm.SamplingParams(**sampling_params_kwargs(
-        sampling, int(counts[i]), int(seeds[i]), self.eos_ids)) for i in live]
+        sampling, int(counts[i]), int(seeds[i]), self.eos_ids, self.ignore_eos))
+                   for i in live]
     results = self.llm.generate(requests, sampling_params=params_list, use_tqdm=False)
     return to_rollout(results, counts, sampling, self.eos_ids, self.tokenizer, self.pad_id)

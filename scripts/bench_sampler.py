@@ -1,0 +1,228 @@
+"""Rollout throughput: the JAX sampler against transformers `generate` (and vLLM on GPUs).
+
+  python scripts/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
+  python scripts/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
+
+Both samplers run in this process on the same chat prompts (GSM8K test questions from
+../shared/data when present), sample at temperature 1 with no top-k/top-p, and generate
+exactly --new-tokens tokens per row (EOS ignored). Times are medians of --repeats calls
+after a warm-up call, so compilation is excluded and reported on its own. Per batch size
+the JSON has:
+
+* tokens_per_s (end to end, prefill included) for ours and transformers, and their ratio;
+* our decode-only rate, from the time difference of two response lengths;
+* the roofline: decode FLOPs per step (matmuls + attention over the average context)
+  divided by the matmul throughput measured on the model's own weight shapes at that
+  batch size, and the memory-bandwidth bound (weight + KV bytes per step over the
+  measured read bandwidth), with our decode rate as a fraction of the roofline; since
+  decode attention streams the KV cache (memory-bound, not in the FLOP count), also
+  the bound of compute time plus the time to read the average context's KV once;
+* the compiled program's device memory (XLA memory_analysis).
+
+On an NVIDIA GPU the transformers model runs on CUDA, vLLM is timed when it imports, and
+the bandwidth bound uses the GPU's measured bandwidth. Other work on the machine skews
+every number (the JSON records the load average before and after): run it on a quiet
+machine.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from exgrpo_jax import generate
+from exgrpo_jax import models
+from exgrpo_jax import sampling
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+                    "shared", "data", "gsm8k_test.parquet")
+FALLBACK = ["What is {i} + 35?", "Name {i} animals that live in the sea.",
+            "Explain in a few words why the sky is blue (take {i})."]
+
+
+def log(message):
+  print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def chat_prompts(tokenizer, count):
+  """`count` chat-formatted prompts: GSM8K test questions, else numbered fallbacks."""
+  if os.path.exists(DATA):
+    import pandas as pd  # pylint: disable=g-import-not-at-top
+    questions = pd.read_parquet(DATA)["question"].tolist()[:count]
+  else:
+    questions = [FALLBACK[i % len(FALLBACK)].format(i=i) for i in range(count)]
+  return [generate.encode(tokenizer, q, chat=True) for q in questions]
+
+
+def median_time(fn, repeats):
+  """Median wall time of `repeats` calls of fn."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def bench_ours(cfg, params, tokenizer, prompts, new_tokens, repeats):
+  """End-to-end and decode-only tokens/s of the JAX engine, compile time, memory."""
+  engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True)
+  short = max(new_tokens // 4, 1)
+  times = {}
+  for n in (new_tokens, short):
+    config = sampling.SamplingConfig(max_new_tokens=n)
+    run = lambda: engine.generate(prompts, 1, params, jax.random.key(0), config)  # pylint: disable=cell-var-from-loop
+    out = run()  # warm-up: compiles
+    assert (out.lengths_N == n).all()
+    times[n] = median_time(run, repeats)
+  B = len(prompts)
+  step_s = (times[new_tokens] - times[short]) / (new_tokens - short)
+  return dict(tokens_per_s=B * new_tokens / times[new_tokens], seconds=times[new_tokens],
+              decode_tokens_per_s=B / step_s, decode_step_ms=1e3 * step_s,
+              compile_s=engine.stats["compile_s"], compiles=engine.stats["compiles"],
+              memory=engine.stats["memory"])
+
+
+def bench_transformers(hf_dir, tokenizer, prompts, new_tokens, repeats, device):
+  """tokens/s of transformers `generate` (fp32, left-padded batch, sampling at T = 1)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      hf_dir, dtype=torch.float32).to(device).eval()
+  width = max(map(len, prompts))
+  ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts],
+                     device=device)
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+
+  def run():
+    with torch.no_grad():
+      out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                           top_p=1.0, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
+                           pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == width + new_tokens
+    if device != "cpu":
+      torch.cuda.synchronize()
+
+  run()
+  seconds = median_time(run, repeats)
+  return dict(tokens_per_s=len(prompts) * new_tokens / seconds, seconds=seconds,
+              torch_threads=torch.get_num_threads())
+
+
+def bench_vllm(cfg, params, tokenizer, prompts, new_tokens, repeats):
+  """tokens/s of the vLLM engine, or why it was skipped."""
+  try:
+    engine = sampling.make_engine("vllm", cfg, tokenizer, ignore_eos=True)
+  except (ImportError, RuntimeError) as e:
+    return dict(skipped=str(e))
+  config = sampling.SamplingConfig(max_new_tokens=new_tokens)
+  run = lambda: engine.generate(prompts, 1, params, jax.random.key(0), config)
+  run()
+  seconds = median_time(run, repeats)
+  return dict(tokens_per_s=len(prompts) * new_tokens / seconds, seconds=seconds)
+
+
+def roofline(cfg, batch, context, bandwidth_gbs, repeats):
+  """Decode-step bounds at `batch` rows attending to `context` tokens on average.
+
+  The matmul throughput is measured on a chain with the model's weight shapes and data
+  dependencies (q, k, v from x; o; gate, up; down; per layer, then the LM head), i.e. a
+  decode step with attention, norms and sampling removed.
+  """
+  D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  layer = dict(q=(D, HD), k=(D, KD), v=(D, KD), o=(HD, D), gate=(D, F), up=(D, F),
+               down=(F, D))
+  rng = np.random.default_rng(0)
+  weights = [{n: jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for n, s in layer.items()}
+             for _ in range(cfg.num_layers)]
+  head = jnp.asarray(rng.normal(0, 0.02, (D, V)), jnp.float32)
+
+  @jax.jit
+  def matmuls(x_BxD, weights, head):
+    for w in weights:
+      q, k, v = x_BxD @ w["q"], x_BxD @ w["k"], x_BxD @ w["v"]
+      x_BxD = x_BxD + (q + jnp.tile(k + v, HD // KD)) @ w["o"]
+      x_BxD = x_BxD + jnp.tanh(x_BxD @ w["gate"]) * (x_BxD @ w["up"]) @ w["down"]
+    return x_BxD @ head
+
+  x = jnp.ones((batch, D), jnp.float32)
+  jax.block_until_ready(matmuls(x, weights, head))
+  seconds = median_time(lambda: jax.block_until_ready(matmuls(x, weights, head)), repeats)
+  weight_count = cfg.num_layers * sum(a * b for a, b in layer.values()) + D * V
+  matmul_flops = 2 * batch * weight_count
+  attention_flops = 4 * batch * cfg.num_layers * HD * context
+  step_flops = matmul_flops + attention_flops
+  throughput = matmul_flops / seconds
+  kv_bytes = 4 * 2 * cfg.num_layers * batch * KD * context
+  compute_s, kv_s = step_flops / throughput, kv_bytes / (bandwidth_gbs * 1e9)
+  return dict(step_gflop=step_flops / 1e9, matmul_gflops_per_s=throughput / 1e9,
+              roofline_tokens_per_s=batch / compute_s,
+              bandwidth_bound_tokens_per_s=batch * bandwidth_gbs * 1e9 / (4 * weight_count
+                                                                        + kv_bytes),
+              compute_plus_kv_read_tokens_per_s=batch / (compute_s + kv_s))
+
+
+def read_bandwidth_gbs(repeats):
+  """Device read bandwidth (GB/s): the time to sum a 512 MiB array."""
+  big = jnp.ones((128 * 2**20,), jnp.float32)  # 512 MiB
+  total = jax.jit(jnp.sum)
+  jax.block_until_ready(total(big))
+  return big.nbytes / median_time(lambda: jax.block_until_ready(total(big)), repeats) / 1e9
+
+
+def main(argv=None):
+  """Parses flags, runs every batch size, prints the JSON."""
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2)")
+  p.add_argument("--batch-sizes", default="1,8,64")
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--skip-transformers", action="store_true")
+  args = p.parse_args(argv)
+  policy = models.from_pretrained(args.model or None)
+  tokenizer = models.load_tokenizer(args.model or None)
+  hf_dir = models.resolve_hf_dir(args.model or models.default_model_path())
+  gpu = jax.devices()[0].platform == "gpu"
+  bandwidth = read_bandwidth_gbs(args.repeats)
+  result = dict(model=args.model or "SmolLM2-135M-Instruct (embedded)",
+                device=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(),
+                load_average_at_start=os.getloadavg(),
+                new_tokens=args.new_tokens, dtype=policy.config.dtype,
+                measured_read_bandwidth_gb_per_s=bandwidth, runs=[])
+  for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    prompts = chat_prompts(tokenizer, batch)
+    log(f"batch {batch}: ours")
+    run = dict(batch=batch, mean_prompt_tokens=float(np.mean([len(q) for q in prompts])))
+    run["ours"] = bench_ours(policy.config, policy.params, tokenizer, prompts,
+                             args.new_tokens, args.repeats)
+    if not args.skip_transformers:
+      log(f"batch {batch}: transformers")
+      run["transformers"] = bench_transformers(hf_dir, tokenizer, prompts, args.new_tokens,
+                                               args.repeats, "cuda" if gpu else "cpu")
+      run["ratio_vs_transformers"] = (run["ours"]["tokens_per_s"]
+                                      / run["transformers"]["tokens_per_s"])
+    if gpu:
+      run["vllm"] = bench_vllm(policy.config, policy.params, tokenizer, prompts,
+                               args.new_tokens, args.repeats)
+    context = run["mean_prompt_tokens"] + args.new_tokens / 2
+    run["roofline"] = roofline(policy.config, batch, context, bandwidth, args.repeats)
+    run["decode_fraction_of_roofline"] = (run["ours"]["decode_tokens_per_s"]
+                                          / run["roofline"]["roofline_tokens_per_s"])
+    run["decode_fraction_of_compute_plus_kv_read"] = (
+        run["ours"]["decode_tokens_per_s"]
+        / run["roofline"]["compute_plus_kv_read_tokens_per_s"])
+    result["runs"].append(run)
+    log(json.dumps(run))
+  result["load_average_at_end"] = os.getloadavg()
+  print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+  main()
