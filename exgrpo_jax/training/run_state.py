@@ -11,10 +11,10 @@ import os
 import sys
 
 import jax
-import numpy as np
 
 from exgrpo_jax import checkpointing
 from exgrpo_jax import data
+from exgrpo_jax import evaluation
 from exgrpo_jax import models
 from exgrpo_jax import rewards
 from exgrpo_jax import sampling
@@ -66,7 +66,7 @@ class RunState:
     self.sampling_config = sampling.SamplingConfig(
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
         top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
-    self._eval_prompts = None
+    self._eval_questions = None
 
   def _load_prompts(self, path: str, limit: int):
     """Questions of `path` rendered with the configured template (too long: dropped)."""
@@ -113,23 +113,22 @@ class RunState:
     cfg = self.config.eval
     if not cfg.path:
       return {}
-    if self._eval_prompts is None:
-      self._eval_prompts, _ = self._load_prompts(cfg.path, cfg.limit)
-    prompts = self._eval_prompts
-    out = engine.generate([list(p.ids) for p in prompts], cfg.n, self.params,
-                          jax.random.key(self.config.train.seed),
-                          sampling.SamplingConfig(temperature=cfg.temperature,
-                                                  greedy=cfg.temperature == 0,
-                                                  max_new_tokens=cfg.max_new_tokens))
-    owners = [prompts[i] for i in out.prompt_index_N]
-    scores, _ = self.reward_pool.score([
-        rewards.RewardItem(text, p.question.ground_truth, p.question.reward_name,
-                           p.think_gate) for text, p in zip(out.texts, owners)])
-    sources = np.array([p.question.data_source for p in owners])
-    metrics = {f"val/test_score/{src}": float(scores[sources == src].mean())
-               for src in sorted(set(sources))}
-    metrics["val/avg_score"] = float(np.mean(list(metrics.values())))
-    metrics["val/response_length"] = float(np.mean(out.lengths_N))
+    if self._eval_questions is None:
+      self._eval_questions = data.load_questions(
+          cfg.path, skip_bad_rows=self.config.data.skip_bad_rows, limit=cfg.limit,
+          reward_name=self.config.reward.name).questions
+    # Same template (system prompt included) and length limit as the training prompts.
+    options = evaluation.EvalOptions(template=self.config.data.template, remove_system=False,
+                                     max_prompt_tokens=self.config.data.max_prompt_tokens,
+                                     n=cfg.n)
+    result = evaluation.evaluate(
+        engine, self.params, self.tokenizer, self._eval_questions,
+        sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
+                                max_new_tokens=cfg.max_new_tokens),
+        self.reward_pool, jax.random.key(self.config.train.seed), options)
+    metrics = {f"val/test_score/{src}": v["avg@k"] for src, v in result["per_source"].items()}
+    metrics["val/avg_score"] = result["overall"]["avg@k"]
+    metrics["val/response_length"] = result["overall"]["mean_response_length"]
     return metrics
 
   # --- checkpoints --------------------------------------------------------------------------
