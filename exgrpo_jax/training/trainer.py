@@ -101,15 +101,20 @@ class Trainer:
     adv_QxK = np.asarray(advantages.ADVANTAGES.get(cfg.algo.advantage)(rewards_QxK))
 
     # 7. Buffer update; behaviour log-probs are the rollout's (temperature 1).
+    t = time.time()
     trajectories = [[(m[0], m[1]) for m in g] for g in groups]
     summary = st.buffer.update(qids, rewards_QxK, trajectories, step,
                                collect=st.replay_started)
-    st.stream.retire(sorted(st.buffer.retired))
+    retired = st.buffer.retired
+    st.stream.retire(sorted({q for q in qids if q in retired}))
+    timings["buffer"] = time.time() - t
 
     # 8. Learner.
     t = time.time()
     if not self._old_logps_from_rollout():
       groups = self._recompute_old_logps(groups, qids)
+    timings["old_logprobs"] = time.time() - t
+    t = time.time()
     actor = self._update(groups, qids, adv_QxK, rng)
     timings["update_actor"] = time.time() - t
 
