@@ -49,12 +49,14 @@ def base_config() -> ml_collections.ConfigDict:
       top_p=1.0,
       top_k=0,
       max_new_tokens=8192,
+      max_rows=0,             # jax engine: most rows per generate call, 0 = all (KV cache bound)
   ))
 
   c.reward = ml_collections.ConfigDict(dict(
       name="",                # "" = chosen per data_source
       num_workers=4,
       timeout_s=10.0,
+      plugins="",             # comma-separated modules that register custom rewards
   ))
 
   c.algo = ml_collections.ConfigDict(dict(
@@ -97,6 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
       checkpoint_every=50,
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
+      export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
   ))
 
   c.eval = ml_collections.ConfigDict(dict(
@@ -108,6 +111,9 @@ def base_config() -> ml_collections.ConfigDict:
       n=1,
   ))
 
+  # Device mesh (exgrpo_jax.sharding): sizes over named axes (data, fsdp, tensor), one
+  # size may be -1 (all remaining devices). Weights are FSDP-sharded over `fsdp` and
+  # tensor-parallel over `tensor`; batches split over `data` and `fsdp`.
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1), axes=("fsdp", "tensor")))
   return c
 
@@ -147,8 +153,12 @@ def parse_arg(arg: str | None) -> tuple[str, bool]:
 
 
 def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_start: float,
-                 mesh_shape=(8, 1)) -> ml_collections.ConfigDict:
+                 mesh_shape=(-1, 1), max_rows=0) -> ml_collections.ConfigDict:
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).
+
+  The model configs take `mesh_shape` and `max_rows` (`rollout.max_rows`, rows per
+  generate call) from scripts/memory_plan.py for 8 x 80 GiB GPUs; BUILD.md ("Memory
+  plan") gives the flags for TPU slices.
 
   `runlocal` in `arg` shrinks batch and lengths for a quick smoke run of the same model.
   """
@@ -161,6 +171,7 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   c.train.steps = steps
   c.algo.delayed_start = delayed_start
   c.mesh.shape = mesh_shape
+  c.rollout.max_rows = max_rows
   if runlocal:
     c.train.batch_questions = 8
     c.rollout.max_new_tokens = 512

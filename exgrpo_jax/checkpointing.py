@@ -11,6 +11,12 @@ Layout: `<workdir>/checkpoints/<step>/` with four items, written with the curren
 
 Resume order (the trainer's): (1) the workdir's latest checkpoint; (2) the model path
 in the config.
+
+Multi-process runs: every process calls `save`/`restore` (Orbax synchronises them);
+each writes and reads its own shards of `params` and `opt`, and only process 0 writes
+the replicated `host` arrays and the `meta` JSON (Orbax writes replicated data from the
+primary process). `restore` reads into the shardings of the given abstract trees, so a
+checkpoint can be resumed on another mesh; export reads it onto one CPU.
 """
 
 import dataclasses
@@ -110,6 +116,10 @@ def load_policy_for_export(path: str):
   with open(os.path.join(step_dir, "meta", "metadata")) as f:
     meta = json.load(f)
   checkpointer = ocp.StandardCheckpointer()
-  params = checkpointer.restore(os.path.join(step_dir, "params"))
-  params = jax.tree.map(np.asarray, params)
+  params_dir = os.path.join(step_dir, "params")
+  # Read onto this host's CPU whatever mesh wrote it (e.g. 8 GPUs or several hosts).
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
+                        checkpointer.metadata(params_dir).item_metadata)
+  params = jax.tree.map(np.asarray, checkpointer.restore(params_dir, target))
   return model_config_from_json(meta["model_config"]), params, meta["tokenizer_source"]

@@ -6,6 +6,10 @@ r"""Trains a policy with ExGRPO.
 `--config=FILE.py:ARG` picks a variant (configs/common.py lists them). The config is
 locked: an unknown key fails instead of being silently added. Re-running with the same
 workdir resumes from its latest checkpoint.
+
+Multi-host: run the same command on every host. TPU pods and SLURM are detected; else
+pass --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or set
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); see exgrpo_jax.distributed.
 """
 
 import os
@@ -13,6 +17,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 
@@ -28,13 +33,29 @@ _make_config_files_importable(sys.argv)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, logs).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "Multi-process runs: HOST:PORT of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  # Orbax logs every checkpoint step at INFO; keep the console to our progress line
+  # unless the user asks for more with --verbosity.
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  # Before anything touches a JAX device.
+  from exgrpo_jax import distributed  # pylint: disable=g-import-not-at-top
+  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  try:
+    config_check.check(_CONFIG.value)
+  except config_check.ConfigError as e:
+    sys.exit(f"exgrpo_jax.train: {e}")
   trainer.Trainer(_CONFIG.value, _WORKDIR.value).run()
 
 

@@ -25,6 +25,7 @@ import time
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 import numpy as np
 
@@ -44,6 +45,7 @@ PHASES = ("select", "gen", "reward", "buffer", "old_logprobs", "update_actor", "
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax's INFO lines would bury the progress
   if _STEPS.value < 1 or _WARMUP.value < 0:
     raise app.UsageError("--steps must be >= 1 and --warmup >= 0")
   total = _WARMUP.value + _STEPS.value

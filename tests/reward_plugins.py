@@ -1,4 +1,5 @@
-"""Misbehaving rewards for the pool's failure tests, imported by workers as a plugin.
+"""Test rewards (misbehaving ones for the pool's failure tests, a deterministic mixed one
+for training runs), imported by workers as a plugin.
 
 Not a test file (pytest collects `*_test.py` only); `RewardPool(plugin_modules=
 ["tests.reward_plugins"])` makes every worker import it, which registers these names.
@@ -31,3 +32,11 @@ def crash(solution: str, ground_truth: str) -> float:
 def raise_error(solution: str, ground_truth: str) -> float:
   """A grader bug: raises an ordinary exception."""
   raise ValueError(f"cannot grade {solution!r} against {ground_truth!r}")
+
+
+@graders.REWARDS.register("test_even_length")
+def even_length(solution: str, ground_truth: str) -> float:
+  """1 when the response text has an even number of characters: a deterministic, mixed
+  reward for random-weight models (their groups then fill the replay buffer)."""
+  del ground_truth
+  return float(len(solution) % 2 == 0)

@@ -117,3 +117,11 @@ def test_convert_exports_training_checkpoint(exgrpo_run, tmp_path):
   for a, b in zip(jax.tree.leaves(exported.params), jax.tree.leaves(trainer.state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert os.path.exists(tmp_path / "tokenizer.json")
+
+
+def test_run_exports_final_policy(exgrpo_run):
+  from exgrpo_jax import models  # pylint: disable=g-import-not-at-top
+  trainer, _ = exgrpo_run
+  exported = models.from_pretrained(os.path.join(trainer.workdir, "hf"))
+  for a, b in zip(jax.tree.leaves(exported.params), jax.tree.leaves(trainer.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -13,6 +13,13 @@ compile and generation time separately.
 Randomness: row r (prompt-major, counting from 0 over the whole call) draws its step-t
 token with fold_in(fold_in(key, r), t), so the same key gives the same output, whatever
 the batch it was bucketed into or split across (`max_rows`).
+
+Sharding: when the params live on a mesh (`exgrpo_jax.sharding`), each call makes a
+rollout copy of them in device memory, resharded to the sampler's rules (by default
+`sharding.SAMPLER_RULES`: no FSDP, tensor parallelism kept) and cast to the compute dtype
+(the model casts every weight to it before use anyway, so the results are the same and
+the copy is half the size of float32 master weights); it splits prompts and rows over
+the mesh's batch axes and gathers the results to every process.
 """
 
 import dataclasses
@@ -22,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from exgrpo_jax import sharding
+from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.sampling import base
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
@@ -53,11 +62,15 @@ class JaxEngine:
     max_rows: the most rows one compiled call decodes; larger requests are split by
       prompt (a prompt's samples stay in one call). None: everything in one call.
     ignore_eos: never stop on EOS (benchmarks: every row decodes max_new_tokens).
+    rules: logical-axis rules of the rollout copy of sharded params.
   """
 
   def __init__(self, model_cfg, tokenizer=None, min_prompt_bucket: int = 16,
-               max_rows: int | None = None, ignore_eos: bool = False):
+               max_rows: int | None = None, ignore_eos: bool = False,
+               rules=sharding.SAMPLER_RULES):
     self.model_cfg = model_cfg
+    self.rules = rules
+    self._reshard = {}  # mesh -> jitted reshard-and-cast to the rollout copy
     self.tokenizer = tokenizer
     self.min_prompt_bucket = min_prompt_bucket
     self.max_rows = max_rows
@@ -86,6 +99,7 @@ class JaxEngine:
           f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
           f"the model's max_position_embeddings={self.model_cfg.max_position_embeddings}")
     start = time.perf_counter()
+    params = self._rollout_params(params)
     parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key, sampling)
              for rows in self._split(counts)]
     raw = {k: (None if parts[0][k] is None else np.concatenate([p[k] for p in parts]))
@@ -96,6 +110,18 @@ class JaxEngine:
     return outputs.finalize(raw["tokens_BxN"], raw["logprobs_BxN"], raw["entropy_BxN"],
                             raw["lengths_B"], raw["eos_B"], prompt_index_N, self.tokenizer,
                             sampling.stop_strings, self.pad_id)
+
+  def _rollout_params(self, params):
+    """The rollout copy of sharded params (see the module docstring); others as they are."""
+    mesh = sharding.mesh_of(params)
+    if mesh is None:
+      return params
+    if mesh not in self._reshard:
+      dtype = config_lib.dtype_from_name(self.model_cfg.dtype)
+      self._reshard[mesh] = jax.jit(
+          lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
+          out_shardings=sharding.param_shardings(self.model_cfg, mesh, self.rules))
+    return self._reshard[mesh](params)
 
   def _split(self, counts: np.ndarray) -> list[np.ndarray]:
     """Row-index ranges for each call: whole prompts, at most `max_rows` rows each."""
@@ -129,14 +155,19 @@ class JaxEngine:
     live_B = np.arange(B) < R
     row_ids_B = np.concatenate([rows_R, np.arange(B - R) + rows_R[-1] + 1]).astype(np.uint32)
     keys_B = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(row_ids_B))
-    args = (params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B,
-            np.float32(sampling.temperature), np.float32(sampling.top_p),
-            np.bool_(sampling.is_greedy), np.asarray(self.eos_ids, np.int32))
+    rows = (prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B)
+    scalars = (np.float32(sampling.temperature), np.float32(sampling.top_p),
+               np.bool_(sampling.is_greedy), np.asarray(self.eos_ids, np.int32))
+    mesh = sharding.mesh_of(params)
+    if mesh is not None:
+      rows = sharding.put_batch(rows, mesh)
+      scalars = jax.device_put(scalars, sharding.replicated(mesh))
+    args = (params, *rows, *scalars)
     static = dict(max_new_tokens=sampling.max_new_tokens,
                   top_k=0 if sampling.is_greedy else sampling.top_k,
                   use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                   return_entropy=sampling.return_entropy)
-    result = jax.device_get(self._compile(args, static)(*args))
+    result = sharding.to_host(self._compile(args, static)(*args))
     return {k: (None if v is None else v[:R]) for k, v in result.items()}
 
   def _compile(self, args, static):

@@ -21,6 +21,7 @@ import optax
 from exgrpo_jax import logprobs
 from exgrpo_jax import losses
 from exgrpo_jax import models
+from exgrpo_jax import sharding
 
 
 @flax.struct.dataclass
@@ -53,10 +54,22 @@ def response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len: int, chunk: i
       hidden_BxRxD, models.unembedding(cfg, params), targets_BxR, chunk_size=chunk)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def score_responses(cfg, params, tokens_BxS, valid_BxS, prompt_len: int, chunk: int):
-  """Jitted `response_stats` without gradients (old log-probs, trajectory selection)."""
-  return response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len, chunk)
+  """`response_stats` without gradients (old log-probs, trajectory selection).
+
+  On a mesh (sharded params) the rows are split over the batch axes; the results are
+  replicated, so every process can read them.
+  """
+  mesh = sharding.mesh_of(params)
+  if mesh is not None:
+    tokens_BxS, valid_BxS = sharding.put_batch((tokens_BxS, valid_BxS), mesh)
+  return _score_fn(mesh)(cfg, params, tokens_BxS, valid_BxS, prompt_len, chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def _score_fn(mesh):
+  out = {} if mesh is None else {"out_shardings": sharding.replicated(mesh)}
+  return jax.jit(response_stats, static_argnums=(0, 4, 5), **out)
 
 
 def _micro_loss(params, micro, *, cfg, algo, use_clip, prompt_len, chunk):
@@ -75,27 +88,54 @@ def _micro_loss(params, micro, *, cfg, algo, use_clip, prompt_len, chunk):
   return pg_loss - algo.entropy_coeff * entropy, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "algo", "optim", "use_clip", "chunk"),
-                   donate_argnums=(0, 1))
 def train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip: bool,
                chunk: int):
-  """One optimizer step; returns (params, opt_state, metrics).
+  """One optimizer step; returns (params, opt_state, metrics). Donates params, opt_state.
 
-  `algo` and `optim` are hashable views of the config sections (see `frozen`).
+  `algo` and `optim` are hashable views of the config sections (see `frozen`). The
+  result keeps the shardings `params` and `opt_state` came with (so the next step reuses
+  the compiled program); on a mesh, the batch is split over its batch axes.
   """
+  mesh = sharding.mesh_of(params)
+  if mesh is not None:
+    batch = sharding.put_batch(batch, mesh, batch_dim=1)
+  flat, treedef = jax.tree.flatten(sharding.shardings_of((params, opt_state)))
+  step = _compiled_step(treedef, tuple(flat))
+  return step(params, opt_state, batch, cfg=cfg, algo=algo, optim=optim, use_clip=use_clip,
+              chunk=chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step(treedef, flat_shardings):
+  """The jitted step for parameter / optimizer state with these shardings."""
+  param_shardings, opt_shardings = jax.tree.unflatten(treedef, flat_shardings)
+  first = flat_shardings[0]
+  metrics_sharding = (sharding.replicated(first.mesh)
+                      if isinstance(first, sharding.NamedSharding) else first)
+  return jax.jit(functools.partial(_train_step, param_shardings=param_shardings),
+                 static_argnames=("cfg", "algo", "optim", "use_clip", "chunk"),
+                 donate_argnums=(0, 1),
+                 out_shardings=(param_shardings, opt_shardings, metrics_sharding))
+
+
+def _train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip, chunk,
+                param_shardings):
   grad_fn = jax.value_and_grad(functools.partial(
       _micro_loss, cfg=cfg, algo=algo, use_clip=use_clip, prompt_len=batch.prompt_len,
       chunk=chunk), has_aux=True)
+  # Gradients are accumulated in the parameters' sharding (under FSDP, 1/n of them per
+  # device); left to propagation, the zeros could come out replicated.
+  constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=param_shardings)
 
   def accumulate(carry, micro):
     grads_acc, loss_acc = carry
     (loss, metrics), grads = grad_fn(params, micro)
-    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+    grads_acc = constrain(jax.tree.map(jnp.add, grads_acc, grads))
     return (grads_acc, loss_acc + loss), metrics
 
   micro_batches = (batch.tokens_MxBxS, batch.valid_MxBxS, batch.mask_MxBxR,
                    batch.old_logp_MxBxR, batch.adv_MxB, batch.is_replay_MxB)
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  zeros = constrain(jax.tree.map(jnp.zeros_like, params))
   (grads, loss), metrics_M = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), micro_batches)
   grad_norm = optax.global_norm(grads)
   skip = ~jnp.isfinite(grad_norm) | (grad_norm > optim.skip_grad_norm)

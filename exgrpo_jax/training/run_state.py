@@ -4,9 +4,15 @@ Resume order: (1) the latest checkpoint in `<workdir>/checkpoints` (params, opti
 step, buffer, data stream, delayed-start flag; PRNG keys are derived from the seed and
 the step, so they need no storage); (2) `config.model.path` (or random weights for
 `model.random_init`) with a fresh optimizer, buffer and stream.
+
+Params and optimizer state live on the mesh `config.mesh` with the learner's sharding
+rules (`exgrpo_jax.sharding`); they are created, loaded or restored shard by shard, never
+whole on one device. In a multi-process run every process holds the same host state
+(see `exgrpo_jax.distributed`).
 """
 
-import functools
+import importlib
+import json
 import os
 import sys
 
@@ -14,10 +20,13 @@ import jax
 
 from exgrpo_jax import checkpointing
 from exgrpo_jax import data
+from exgrpo_jax import distributed
 from exgrpo_jax import evaluation
 from exgrpo_jax import models
 from exgrpo_jax import rewards
 from exgrpo_jax import sampling
+from exgrpo_jax import sharding
+from exgrpo_jax.models import loading
 from exgrpo_jax.replay import buffer as buffer_lib
 from exgrpo_jax.training import learner
 
@@ -31,7 +40,11 @@ def _model_config_for_random_init(config, tokenizer) -> models.ModelConfig:
 
 
 class RunState:
-  """Model, optimizer state, replay buffer, question stream, reward pool and counters."""
+  """Model, optimizer state, replay buffer, question stream, reward pool and counters.
+
+  `params` and `opt_state` are abstract (sharded ShapeDtypeStructs) until
+  `init_weights()` or `restore(step)`; `create_or_restore` calls one of them.
+  """
 
   def __init__(self, config, workdir: str):
     self.config = config
@@ -46,13 +59,30 @@ class RunState:
     self.pad_id = self.tokenizer.pad_token_id
     if m.random_init:
       self.model_cfg = _model_config_for_random_init(config, self.tokenizer)
-      self.params = models.init_params(self.model_cfg, jax.random.key(config.train.seed))
     else:
-      policy = models.from_pretrained(m.path or None, dtype=m.dtype,
-                                      param_dtype=m.param_dtype, remat=m.remat)
-      self.model_cfg, self.params = policy.config, policy.params
-    self.opt_state = learner.make_optimizer(config.optim).init(self.params)
+      self.model_path = m.path or models.default_model_path()
+      self.model_cfg = loading.read_config(models.resolve_hf_dir(self.model_path),
+                                           dtype=m.dtype, param_dtype=m.param_dtype,
+                                           remat=m.remat)
+    self.mesh = sharding.make_mesh(config.mesh)
+    if config.optim.micro_batch_size % sharding.batch_shards(self.mesh):
+      print(f"[exgrpo_jax] warning: optim.micro_batch_size={config.optim.micro_batch_size} "
+            f"is not a multiple of the mesh's {sharding.batch_shards(self.mesh)} batch "
+            "shards (data x fsdp): every device will compute whole micro-batches",
+            file=sys.stderr)
+    self.param_shardings = sharding.param_shardings(self.model_cfg, self.mesh)
+    self._tx = learner.make_optimizer(config.optim)
+    self.opt_shardings = sharding.optimizer_shardings(self._tx, self.model_cfg,
+                                                      self.param_shardings)
+    self.params = sharding.abstract(models.abstract_params(self.model_cfg),
+                                    self.param_shardings)
+    self.opt_state = sharding.abstract(jax.eval_shape(self._tx.init, self.params),
+                                       self.opt_shardings)
 
+    # Custom rewards register themselves on import; the data loader checks reward names.
+    plugins = [name for name in config.reward.plugins.split(",") if name]
+    for name in plugins:
+      importlib.import_module(name)
     self.prompts, self.data_stats = self._load_prompts(config.data.train_path,
                                                        config.data.limit)
     self._by_uid = {p.question.uid: p for p in self.prompts}
@@ -62,7 +92,8 @@ class RunState:
         dict(config.replay.to_dict(), vocab_size=self.model_cfg.vocab_size),
         seed=config.train.seed)
     self.reward_pool = rewards.RewardPool(num_workers=config.reward.num_workers,
-                                          timeout_s=config.reward.timeout_s)
+                                          timeout_s=config.reward.timeout_s,
+                                          plugin_modules=plugins)
     self.sampling_config = sampling.SamplingConfig(
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
         top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
@@ -88,11 +119,23 @@ class RunState:
   def create_or_restore(cls, config, workdir: str) -> "RunState":
     state = cls(config, workdir)
     latest = state.store.latest_step()
-    if latest is not None:
+    if latest is None:
+      state.init_weights()
+    else:
       state.restore(latest)
       print(f"[exgrpo_jax] resumed from {checkpointing.checkpoint_dir(workdir)}/{latest}",
             file=sys.stderr)
     return state
+
+  def init_weights(self) -> None:
+    """Initial params (random or `model.path`) and a fresh optimizer, created sharded."""
+    if self.config.model.random_init:
+      self.params = sharding.init_params(self.model_cfg, jax.random.key(self.config.train.seed),
+                                         self.param_shardings)
+    else:
+      self.params = loading.load_params(models.resolve_hf_dir(self.model_path), self.model_cfg,
+                                        self.param_shardings)
+    self.opt_state = sharding.init_optimizer(self._tx, self.params, self.opt_shardings)
 
   # --- per-step helpers ---------------------------------------------------------------------
 
@@ -100,13 +143,18 @@ class RunState:
     return list(self._by_uid[uid].ids)
 
   def score(self, qids, k: int, texts: list[str]):
-    """Rewards [len(qids) * k] for group-ordered `texts`, and the pool's stats."""
+    """Rewards [len(qids) * k] for group-ordered `texts`, and the pool's stats.
+
+    Every process grades; process 0's rewards are used everywhere, so a timeout on one
+    host cannot make the processes' buffers diverge.
+    """
     items = []
     for i, text in enumerate(texts):
       prompt = self._by_uid[qids[i // k]]
       items.append(rewards.RewardItem(text, prompt.question.ground_truth,
                                       prompt.question.reward_name, prompt.think_gate))
-    return self.reward_pool.score(items)
+    rewards_N, stats = self.reward_pool.score(items)
+    return distributed.from_primary(rewards_N), stats
 
   def evaluate(self, engine) -> dict:
     """Validation accuracy on `eval.path`, per data source and averaged (val/* metrics)."""
@@ -141,13 +189,24 @@ class RunState:
         tokenizer_source=os.path.abspath(self.tokenizer_source)
         if os.path.exists(self.tokenizer_source) else self.tokenizer_source,
         config=self.config.to_dict())
-    self.store.save(self.step, self.params, self.opt_state, self.buffer.state_dict(), meta)
+    host = self.buffer.state_dict()
+    self.check_host_state(host, meta)
+    self.store.save(self.step, self.params, self.opt_state, host, meta)
+
+  def check_host_state(self, host: dict, meta: dict) -> None:
+    """Digest of the host state (buffer, stream, counters), checked equal on all processes."""
+    scalars = {k: meta[k] for k in ("step", "replay_started", "stream")}
+    hex_digest = distributed.digest(host, json.dumps(scalars, sort_keys=True, default=str))
+    if jax.process_count() > 1:
+      print(f"[exgrpo_jax] process {jax.process_index()}: host state digest {hex_digest} "
+            f"at step {self.step}", file=sys.stderr)
+    distributed.check_same_on_all_processes(hex_digest, f"host state at step {self.step}")
 
   def restore(self, step: int) -> None:
-    abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=getattr(x, "sharding", None)))
-    params, opt, host, meta = self.store.restore(step, abstract(self.params),
-                                                 abstract(self.opt_state))
+    """Loads checkpoint `step`; params and optimizer state are read into their shards."""
+    params, opt, host, meta = self.store.restore(
+        step, sharding.abstract(self.params, self.param_shardings),
+        sharding.abstract(self.opt_state, self.opt_shardings))
     self.params, self.opt_state = params, opt
     self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host)
     self.stream.load_state_dict(meta["stream"])

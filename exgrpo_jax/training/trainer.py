@@ -12,6 +12,7 @@ written every `train.checkpoint_every` steps and on SIGTERM, and the run evaluat
 `eval.path` every `eval.every` steps.
 """
 
+import os
 import signal
 import time
 
@@ -19,7 +20,10 @@ import jax
 import numpy as np
 
 from exgrpo_jax import advantages
+from exgrpo_jax import distributed
+from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.training import config_check
 from exgrpo_jax.training import experience
 from exgrpo_jax.training import learner
 from exgrpo_jax.training import padding
@@ -31,12 +35,16 @@ class Trainer:
   """Owns the run: model, optimizer, buffer, data stream, rollout engine, rewards."""
 
   def __init__(self, config, workdir: str, engine=None):
+    config_check.check(config)
     self.config = config
     self.workdir = workdir
     self.state = run_state.RunState.create_or_restore(config, workdir)
     st = self.state
+    # max_rows bounds the JAX sampler's KV cache (BUILD.md, "Memory plan").
+    options = ({"max_rows": config.rollout.max_rows or None}
+               if config.rollout.engine == "jax" else {})
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
-                                                 st.tokenizer)
+                                                 st.tokenizer, **options)
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step)
     self._stop_requested = False
     self._algo = learner.frozen(config.algo)
@@ -61,7 +69,8 @@ class Trainer:
         st.buffer, replay_qids, st.prompt_ids, cfg=st.model_cfg, params=st.params,
         rule=cfg.algo.trajectory_selection, max_new_tokens=cfg.rollout.max_new_tokens,
         batch_size=cfg.optim.micro_batch_size, pad_id=st.pad_id,
-        chunk=cfg.train.logprob_chunk, rng=rng)
+        chunk=cfg.train.logprob_chunk, rng=rng,
+        need_current_logp=not cfg.algo.is_correction)
     fresh_qids = [q.uid for q in st.stream.next_batch(batch_q - len(replays))]
     timings["select"] = time.time() - t
 
@@ -214,13 +223,30 @@ class Trainer:
   def _request_stop(self, signum, frame):  # pylint: disable=unused-argument
     self._stop_requested = True
 
+  def _stop_on_all_processes(self) -> bool:
+    # A SIGTERM may reach one host only; all must stop (and checkpoint) at the same step.
+    self._stop_requested = distributed.any_process(self._stop_requested)
+    return self._stop_requested
+
+  def _export(self) -> None:
+    """The final policy as an HF directory (`<workdir>/<train.export_dir>`)."""
+    st = self.state
+    dst = os.path.join(self.workdir, self.config.train.export_dir)
+    if jax.process_count() > 1:
+      print(f"multi-host run: export with `python -m exgrpo_jax.convert --src "
+            f"{self.workdir} --dst {dst}`", flush=True)
+      return
+    t = time.time()
+    models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source)
+    print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
+
   def run(self) -> dict:
     """Trains until `train.steps`; checkpoints, evaluates and logs along the way."""
     cfg, st = self.config, self.state
     previous = signal.signal(signal.SIGTERM, self._request_stop)
     metrics = {}
     try:
-      while st.step < cfg.train.steps and not self._stop_requested:
+      while st.step < cfg.train.steps and not self._stop_on_all_processes():
         metrics = self.train_step()
         if cfg.eval.every and st.step % cfg.eval.every == 0:
           metrics.update(st.evaluate(self.engine))
@@ -229,6 +255,8 @@ class Trainer:
           self.log.progress(st.step, metrics)
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
           st.save()
+        if st.step == cfg.train.steps and cfg.train.export_dir:
+          self._export()
       if self._stop_requested:
         print(f"SIGTERM: checkpoint at step {st.step}; exiting", flush=True)
         if st.store.latest_step() != st.step:

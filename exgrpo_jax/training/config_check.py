@@ -1,0 +1,138 @@
+"""Start-up validation of a training config: one clear line per mistake, before any work.
+
+`check(config)` raises `ConfigError` naming the key, its value and what is allowed, for
+out-of-range values (rho outside [0, 1], K < 2, non-positive lengths, ...), batch sizes
+that do not fit together, unknown names (loss, advantage, reward, template, engine,
+trajectory selection) and missing files. Unknown keys are caught earlier, by the locked
+ConfigDict. The mesh is checked by `exgrpo_jax.sharding` when it is built.
+"""
+
+import importlib
+import os
+
+from exgrpo_jax import advantages
+from exgrpo_jax import losses
+from exgrpo_jax import sampling
+from exgrpo_jax.data import templates
+from exgrpo_jax.replay import selection
+from exgrpo_jax.rewards import graders
+
+BUCKET_WEIGHTINGS = ("gaussian", "uniform", "proportional")
+DTYPES = ("float32", "bfloat16")
+REMATS = ("none", "full", "dots")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work."""
+
+
+def _require(ok: bool, key: str, value, allowed: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{key}={value!r}: {allowed}")
+
+
+def _range(c, key: str, low=None, high=None, *, low_open=False, allow_none=False) -> None:
+  """`config.<key>` within [low, high] (or (low, high] with low_open)."""
+  value = c
+  for part in key.split("."):
+    value = value[part]
+  if value is None and allow_none:
+    return
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if ok and low is not None:
+    ok = value > low if low_open else value >= low
+  if ok and high is not None:
+    ok = value <= high
+  bounds = f"{'(' if low_open else '['}{'-inf' if low is None else low}, " \
+           f"{'inf' if high is None else high}]"
+  _require(ok, key, value, f"must be a number in {bounds}")
+
+
+def _known(key: str, value, names) -> None:
+  names = list(names)
+  _require(value in names, key, value, f"must be one of {', '.join(map(str, names))}")
+
+
+def _file(key: str, path: str) -> None:
+  _require(bool(path), key, path, "is required")
+  _require(os.path.exists(path), key, path, "no such file")
+
+
+def check(c) -> None:
+  """Raises ConfigError for the first problem found in training config `c`."""
+  m = c.model
+  _known("model.dtype", m.dtype, DTYPES)
+  _known("model.param_dtype", m.param_dtype, DTYPES)
+  _known("model.remat", m.remat, REMATS)
+  if m.path:
+    _file("model.path", m.path)
+
+  _file("data.train_path", c.data.train_path)
+  _known("data.template", c.data.template, templates.TEMPLATES.names())
+  _range(c, "data.max_prompt_tokens", 0, low_open=True)
+  _range(c, "data.limit", 0)
+
+  r = c.rollout
+  _known("rollout.engine", r.engine, sampling.ENGINES.names())
+  _range(c, "rollout.k", 2)
+  _range(c, "rollout.temperature", 0)
+  _range(c, "rollout.top_p", 0, 1, low_open=True)
+  _range(c, "rollout.top_k", 0)
+  _range(c, "rollout.max_new_tokens", 0, low_open=True)
+
+  for module in filter(None, c.reward.plugins.split(",")):
+    importlib.import_module(module)  # plugins register their reward names on import
+  if c.reward.name:
+    _known("reward.name", c.reward.name, graders.REWARDS.names())
+  _range(c, "reward.num_workers", 0)
+  _range(c, "reward.timeout_s", 0, low_open=True)
+
+  a = c.algo
+  _known("algo.loss", a.loss, losses.POLICY_LOSSES.names())
+  _known("algo.advantage", a.advantage, advantages.ADVANTAGES.names())
+  _known("algo.aggregation", a.aggregation, losses.AGGREGATIONS)
+  _known("algo.trajectory_selection", a.trajectory_selection, selection.SELECTIONS.names())
+  _range(c, "algo.rho", 0, 1)
+  _range(c, "algo.delayed_start", 0, 1)
+  _range(c, "algo.clip_eps", 0, low_open=True)
+  _range(c, "algo.shaping_gamma", 0, low_open=True, allow_none=True)
+  _range(c, "algo.norm_len", 0, low_open=True)
+  _range(c, "algo.entropy_coeff", 0)
+
+  _require(c.replay.k == r.k, "replay.k", c.replay.k, f"must equal rollout.k={r.k}")
+  _range(c, "replay.mu", 0, 1)
+  _range(c, "replay.sigma", 0, low_open=True)
+  _known("replay.weighting", c.replay.weighting, BUCKET_WEIGHTINGS)
+  _range(c, "replay.max_per_question", 0)
+  _range(c, "replay.max_total", 0)
+
+  o = c.optim
+  for key in ("lr", "grad_clip", "skip_grad_norm"):
+    _range(c, f"optim.{key}", 0, low_open=True)
+  _range(c, "optim.weight_decay", 0)
+  _range(c, "optim.b1", 0, 1)
+  _range(c, "optim.b2", 0, 1)
+  _range(c, "optim.mini_batches", 1)
+  _range(c, "optim.micro_batch_size", 1)
+
+  t = c.train
+  for key in ("steps", "batch_questions", "log_every", "checkpoint_every",
+              "keep_checkpoints", "logprob_chunk"):
+    _range(c, f"train.{key}", 1)
+  responses = t.batch_questions * r.k
+  _require(responses >= o.mini_batches, "optim.mini_batches", o.mini_batches,
+           f"more than the {responses} responses per step (train.batch_questions x "
+           "rollout.k): some optimizer steps would be empty")
+  per_mini = -(-responses // o.mini_batches)
+  _require(o.micro_batch_size <= per_mini, "optim.micro_batch_size", o.micro_batch_size,
+           f"larger than a mini-batch ({per_mini} responses = train.batch_questions x "
+           "rollout.k / optim.mini_batches): the rest would be padding")
+
+  e = c.eval
+  _range(c, "eval.every", 0)
+  if e.every:
+    _file("eval.path", e.path)
+    _range(c, "eval.limit", 0)
+    _range(c, "eval.temperature", 0)
+    _range(c, "eval.max_new_tokens", 0, low_open=True)
+    _range(c, "eval.n", 1)

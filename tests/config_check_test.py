@@ -1,0 +1,81 @@
+"""Start-up config validation: shipped configs pass; each kind of mistake is one clear line."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import common
+from exgrpo_jax.training import config_check
+from tests import configs_test
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K = os.path.join(REPO, "..", "shared", "data", "gsm8k_test.parquet")
+
+
+def _config(name="tiny", variant="exgrpo"):
+  c = importlib.import_module(f"configs.{name}").get_config(variant)
+  # Paper configs name data and weights the user supplies; point them at files here.
+  c.model.path = ""
+  c.data.train_path = GSM8K
+  c.eval.path = GSM8K
+  return c
+
+
+@pytest.mark.parametrize("name", configs_test.NAMES)
+@pytest.mark.parametrize("variant", common.VARIANTS)
+def test_shipped_configs_pass(name, variant):
+  config_check.check(_config(name, variant))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("algo.rho", 1.5, r"config.algo.rho=1.5: must be a number in \[0, 1\]"),
+    ("algo.rho", -0.1, r"config.algo.rho=-0.1"),
+    ("rollout.k", 1, r"config.rollout.k=1: must be a number in \[2, inf\]"),
+    ("rollout.max_new_tokens", -5, r"config.rollout.max_new_tokens=-5: .*\(0, inf\]"),
+    ("data.max_prompt_tokens", 0, r"config.data.max_prompt_tokens=0"),
+    ("rollout.top_p", 0.0, r"config.rollout.top_p=0.0: .*\(0, 1\]"),
+    ("algo.loss", "ppo", r"config.algo.loss='ppo': must be one of exgrpo, grpo"),
+    ("algo.advantage", "z", r"config.algo.advantage='z': must be one of group_mean"),
+    ("reward.name", "exact", r"config.reward.name='exact': must be one of .*math_verify"),
+    ("data.template", "alpaca", r"config.data.template='alpaca'"),
+    ("rollout.engine", "sglang", r"config.rollout.engine='sglang': must be one of jax, vllm"),
+    ("algo.trajectory_selection", "longest", r"config.algo.trajectory_selection='longest'"),
+    ("replay.weighting", "zipf", r"config.replay.weighting='zipf'"),
+    ("optim.lr", 0.0, r"config.optim.lr=0.0"),
+    ("optim.mini_batches", 64, r"config.optim.mini_batches=64: more than the 16 responses"),
+    ("optim.micro_batch_size", 9, r"config.optim.micro_batch_size=9: larger than a "
+                                  r"mini-batch \(8 responses"),
+    ("train.steps", 0, r"config.train.steps=0"),
+    ("data.train_path", "/nonexistent.parquet", r"config.data.train_path=.*no such file"),
+    ("model.dtype", "float16", r"config.model.dtype='float16': must be one of float32"),
+])
+def test_bad_value_is_one_clear_error(key, value, message):
+  c = _config()
+  section, name = key.split(".")
+  c[section][name] = value
+  with pytest.raises(config_check.ConfigError, match=message):
+    config_check.check(c)
+
+
+def test_replay_k_must_match_rollout_k():
+  c = _config()
+  # Overrides move both (replay.k references rollout.k); a hand-built config may not.
+  c.unlock()
+  c.replay = dict(c.replay.to_dict(), k=8)
+  with pytest.raises(config_check.ConfigError, match="must equal rollout.k=4"):
+    config_check.check(c)
+
+
+def test_train_cli_prints_one_line_and_fails(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
+       f"--workdir={tmp_path}", "--config.algo.rho=2.0"],
+      capture_output=True, text=True, check=False, cwd=REPO)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "exgrpo_jax.train: config.algo.rho=2.0: must be a number in [0, 1]")
+  assert "Traceback" not in proc.stderr
+  assert not os.path.exists(tmp_path / "checkpoints")

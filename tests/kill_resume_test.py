@@ -1,0 +1,92 @@
+"""SIGKILL mid-run, resume, and land exactly where an uninterrupted run lands.
+
+Real processes of `python -m exgrpo_jax.train` on configs/tiny.py with the real JAX
+sampler. The tiny random model never solves GSM8K, so the reward is the deterministic
+`test_even_length` plugin (tests/reward_plugins.py): groups are mixed and the replay
+buffer fills, which puts the buffer, the question stream and the optimizer all on the
+resume path. Run A trains 4 steps uninterrupted while run B (started alongside) is
+killed with SIGKILL as soon as its step-2 checkpoint is on disk (so mid step 3), then
+rerun with the same workdir.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from exgrpo_jax import checkpointing
+from exgrpo_jax.training import run_log
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4
+# Everything the step computes; timings and wall-clock fields are left out.
+COMPARED = ("batch/solved", "actor/pg_loss", "actor/loss", "actor/grad_norm",
+            "actor/entropy", "experience/batch_size", "experience/questions",
+            "experience/trajectories", "experience/retired", "response_length/mean")
+
+
+def _start(workdir: str) -> subprocess.Popen:
+  cmd = [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
+         f"--workdir={workdir}", f"--config.train.steps={STEPS}",
+         "--config.train.checkpoint_every=1", f"--config.train.keep_checkpoints={STEPS}",
+         "--config.reward.plugins=tests.reward_plugins",
+         "--config.reward.name=test_even_length"]
+  return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def _finish(proc: subprocess.Popen) -> None:
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+
+
+def _last_row_per_step(workdir: str) -> dict[int, dict]:
+  # A killed run may have logged a step it never checkpointed; the rerun logs it again.
+  return {row["step"]: row for row in run_log.read_metrics(workdir)}
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, workdir: str, step: int) -> None:
+  done = os.path.join(checkpointing.checkpoint_dir(workdir), str(step), "meta")
+  deadline = time.time() + 600
+  while not os.path.isdir(done):
+    if proc.poll() is not None:
+      raise AssertionError(f"run exited before checkpoint {step}:\n{proc.stdout.read()[-3000:]}")
+    assert time.time() < deadline, "no checkpoint within 600 s"
+    time.sleep(0.05)
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+  reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+  reference_proc, proc = _start(reference), _start(killed)
+  _wait_for_checkpoint(proc, killed, 2)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate()
+  assert proc.returncode == -signal.SIGKILL
+  _finish(reference_proc)
+  survived = checkpointing.CheckpointStore(killed, keep=STEPS)
+  assert 2 <= survived.latest_step() < STEPS, "the kill did not land mid-run"
+  survived.close()
+
+  _finish(_start(killed))
+
+  ref_rows, resumed_rows = _last_row_per_step(reference), _last_row_per_step(killed)
+  assert sorted(resumed_rows) == list(range(1, STEPS + 1))
+  # The replay path was live: the buffer held trajectories and some were replayed.
+  assert ref_rows[STEPS]["experience/trajectories"] > 0
+  assert sum(r["experience/batch_size"] for r in ref_rows.values()) > 0
+  for step in range(1, STEPS + 1):
+    for name in COMPARED:
+      np.testing.assert_allclose(resumed_rows[step][name], ref_rows[step][name], rtol=1e-5,
+                                 atol=1e-6, err_msg=f"step {step} {name}")
+
+  _, ref_params, _ = checkpointing.load_policy_for_export(reference)
+  _, resumed_params, _ = checkpointing.load_policy_for_export(killed)
+  for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(resumed_params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  with open(os.path.join(killed, "metrics.jsonl"), encoding="utf-8") as f:
+    assert all(json.loads(line)["step"] >= 1 for line in f)

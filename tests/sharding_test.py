@@ -1,0 +1,174 @@
+"""Sharded training and sampling on 8 fake CPU devices agree with one device.
+
+The device count is fixed when JAX starts, and the other tests expect one device, so
+the sharded runs happen in a child process (`_child`, with
+`--xla_force_host_platform_device_count=8`); it saves what it measured (losses,
+parameters, shardings, compile counts, sampled tokens) and the tests here assert on it.
+The one-device reference runs in the same child, on one of its devices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHES = {"8x1": (8, 1), "4x2": (4, 2), "2x4": (2, 4)}
+SAMPLING_MESHES = ("8x1", "2x4")  # a replicated and a tensor-parallel rollout copy
+STEPS = 3
+LARGE = 1024  # elements; every parameter and moment at least this big must be split
+
+
+def _child(outdir: str) -> None:
+  """Runs in the 8-device process: one-device reference, then every mesh."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import models, sampling, sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, REPO)
+  from configs import common  # pylint: disable=g-import-not-at-top
+
+  assert jax.device_count() == 8, jax.devices()
+  cfg = models.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                           eos_token_id=(1,))
+  optim = ml_collections.ConfigDict(dict(lr=1e-4, weight_decay=0.01, b1=0.9, b2=0.999,
+                                         eps=1e-8, grad_clip=1.0, skip_grad_norm=500.0))
+  algo = common.base_config().algo
+  algo.norm_len = 16
+  static = dict(cfg=cfg, algo=learner.frozen(algo), optim=learner.frozen(optim),
+                use_clip=True, chunk=8)
+  tx = learner.make_optimizer(optim)
+  rng = np.random.default_rng(0)
+  M, B, P, R = 2, 8, 8, 16
+  batches = []
+  for _ in range(STEPS):
+    valid = np.ones((M, B, P + R), bool)
+    valid[:, :, :rng.integers(0, P)] = False
+    mask = np.arange(R) < rng.integers(1, R, (M, B, 1))
+    batches.append(learner.TrainBatch(
+        rng.integers(2, 128, (M, B, P + R)).astype(np.int32), valid, mask,
+        rng.normal(-3, 0.5, (M, B, R)).astype(np.float32),
+        rng.normal(size=(M, B)).astype(np.float32), rng.random((M, B)) < 0.5, prompt_len=P))
+  # Larger weights than init's 0.02 give a peaked, prompt-dependent next-token
+  # distribution, so greedy decoding is a sharp test.
+  sample_params = jax.tree.map(lambda x: x * 20, models.init_params(cfg, jax.random.key(1)))
+  prompts = [list(rng.integers(2, 128, n)) for n in (5, 9, 3, 7)]
+  greedy = sampling.SamplingConfig(greedy=True, max_new_tokens=12)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, *a, **k: compiles.append(event)
+      if event == "/jax/core/compile/backend_compile_duration" else None)
+
+  def train(params, opt_state):
+    losses, compiles_after_first = [], 0
+    for i, batch in enumerate(batches):
+      before = len(compiles)
+      params, opt_state, metrics = learner.train_step(params, opt_state, batch, **static)
+      losses.append(float(metrics["loss"]))
+      compiles_after_first += (len(compiles) - before) * (i > 0)
+    tokens = np.asarray(learner.score_responses(cfg, params, batches[0].tokens_MxBxS[0],
+                                                batches[0].valid_MxBxS[0], P, 8)[0])
+    return params, opt_state, dict(losses=losses, compiles_after_first=compiles_after_first,
+                                   score=tokens.tolist())
+
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = jax.device_put(models.init_params(cfg, jax.random.key(0)), one)
+  params, _, results = train(params, jax.device_put(tx.init(params), one))
+  out = sampling.make_engine("jax", cfg, None).generate(
+      prompts, 3, jax.device_put(sample_params, one), jax.random.key(2), greedy)
+  summary = {"single": dict(results, greedy=out.tokens_NxT.tolist(),
+                            greedy_logp=out.logprobs_NxT.tolist())}
+  np.savez(os.path.join(outdir, "single.npz"), *map(np.asarray, jax.tree.leaves(params)))
+
+  for name, shape in MESHES.items():
+    mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(shape=shape,
+                                                             axes=("fsdp", "tensor"))))
+    param_shardings = sharding.param_shardings(cfg, mesh)
+    params = sharding.init_params(cfg, jax.random.key(0), param_shardings)
+    opt_state = sharding.init_optimizer(
+        tx, params, sharding.optimizer_shardings(tx, cfg, param_shardings))
+    split_at_start = _unsplit_large_leaves(params, opt_state)
+    params, opt_state, results = train(params, opt_state)
+    summary[name] = dict(
+        results, unsplit_at_start=split_at_start,
+        unsplit_after_steps=_unsplit_large_leaves(params, opt_state),
+        param_bytes_per_device=sharding.bytes_per_device(params),
+        param_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
+    if name in SAMPLING_MESHES:
+      out = sampling.make_engine("jax", cfg, None).generate(
+          prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
+          greedy)
+      summary[name].update(greedy=out.tokens_NxT.tolist(),
+                           greedy_logp=out.logprobs_NxT.tolist())
+    np.savez(os.path.join(outdir, f"{name}.npz"), *map(np.asarray, jax.tree.leaves(params)))
+  with open(os.path.join(outdir, "summary.json"), "w") as f:
+    json.dump(summary, f)
+
+
+def _unsplit_large_leaves(params, opt_state) -> list[str]:
+  """Paths of large leaves that are whole on some device, or not on all 8 devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  bad = []
+  for path, x in jax.tree_util.tree_leaves_with_path((params, opt_state)):
+    if x.size >= LARGE and (x.sharding.is_fully_replicated or len(x.sharding.device_set) != 8
+                            or x.addressable_shards[0].data.size == x.size):
+      bad.append(jax.tree_util.keystr(path))
+  return bad
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+  outdir = tmp_path_factory.mktemp("sharded")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run(
+      [sys.executable, "-c",
+       f"from tests import sharding_test; sharding_test._child({str(outdir)!r})"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  with open(outdir / "summary.json") as f:
+    summary = json.load(f)
+  arrays = {name: list(np.load(outdir / f"{name}.npz").values())
+            for name in ["single", *MESHES]}
+  return summary, arrays
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_train_step_matches_one_device(measured, mesh):
+  summary, arrays = measured
+  np.testing.assert_allclose(summary[mesh]["losses"], summary["single"]["losses"],
+                             rtol=1e-5, atol=1e-5)
+  assert len(arrays[mesh]) == len(arrays["single"])
+  for sharded, single in zip(arrays[mesh], arrays["single"]):
+    np.testing.assert_allclose(sharded, single, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(summary[mesh]["score"], summary["single"]["score"], atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_large_params_and_optimizer_state_are_split(measured, mesh):
+  summary, _ = measured
+  assert summary[mesh]["unsplit_at_start"] == []
+  assert summary[mesh]["unsplit_after_steps"] == []
+  # All but the small norm scales is split: well under 1/4 of the bytes per device.
+  assert summary[mesh]["param_bytes_per_device"] < summary[mesh]["param_bytes"] / 4
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_train_step_compiles_once(measured, mesh):
+  summary, _ = measured
+  assert summary[mesh]["compiles_after_first"] == 0
+  assert summary["single"]["compiles_after_first"] == 0
+
+
+@pytest.mark.parametrize("mesh", SAMPLING_MESHES)
+def test_sharded_greedy_sampling_matches_one_device(measured, mesh):
+  summary, _ = measured
+  tokens = np.array(summary["single"]["greedy"])
+  assert len(np.unique(tokens)) > 4  # a real test: the outputs are not constant
+  np.testing.assert_array_equal(summary[mesh]["greedy"], tokens)
+  np.testing.assert_allclose(summary[mesh]["greedy_logp"], summary["single"]["greedy_logp"],
+                             atol=1e-4)
