@@ -62,6 +62,9 @@ def main():
     if not match or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
       continue
     rows = last_rows(workdir)
+    if not rows or not any("val/avg_score" in r for r in rows[-1:]):
+      print(f"{workdir}: unfinished (no final evaluation yet), left out", file=sys.stderr)
+      continue
     runs[match[1]][int(match[2])] = summarize_run(rows)
     curves[match[1]].append(rows)
   if not runs:

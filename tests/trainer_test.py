@@ -88,11 +88,16 @@ def test_replay_path_is_exercised(exgrpo_run):
   assert retired <= set(trainer.state.stream.state_dict()["retired"])
   for r in rows:
     assert np.isfinite(r["actor/pg_loss"]) and r["actor/skipped"] == 0
+    # Replayed members are correct: solved = (fresh correct + replays) / all members.
+    n, n_replay = 4 * 4, r["experience/batch_size"]
+    np.testing.assert_allclose(r["batch/solved"] * n,
+                               r["batch/fresh_solved"] * (n - n_replay) + n_replay)
 
 
 def test_onpolicy_never_replays(tmp_path):
   _, rows = run(tmp_path, steps=2, variant="onpolicy")
   assert all(r["experience/batch_size"] == 0 and r["actor/off_tokens"] == 0 for r in rows)
+  assert all(r["batch/fresh_solved"] == r["batch/solved"] for r in rows)
 
 
 def test_resume_continues_exactly(exgrpo_run, tmp_path):

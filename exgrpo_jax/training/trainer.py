@@ -135,8 +135,11 @@ class Trainer:
     timings["step"] = time.time() - t_step
 
     lengths = np.array([len(m[0]) for g in groups for m in g if not m[2]])
+    is_replay_N = np.array([m[2] for g in groups for m in g])
     metrics = {
         "batch/solved": accuracy,
+        # Without the replayed members, which are correct by construction.
+        "batch/fresh_solved": float(rewards_N[~is_replay_N].mean()),
         "batch/solve_all": float((rewards_QxK.min(1) >= 1).mean()),
         "batch/solve_none": float((rewards_QxK.max(1) <= 0).mean()),
         "batch/replay_started": float(st.replay_started),
