@@ -72,8 +72,9 @@ def main(argv=None) -> int:
   out = args.out or os.path.join(args.workdir, "plots")
   os.makedirs(out, exist_ok=True)
   val_keys = sorted({k for r in rows for k in r if k.startswith("val/test_score/")})
-  line_plot(rows, ["batch/solved", "batch/fresh_solved", "val/avg_score"] + val_keys, "reward and validation",
-            os.path.join(out, "reward_and_validation.png"), "accuracy")
+  line_plot(rows, ["batch/solved", "batch/fresh_solved", "val/avg_score"] + val_keys,
+            "reward and validation", os.path.join(out, "reward_and_validation.png"),
+            "accuracy")
   line_plot(rows, ["actor/entropy"], "policy entropy", os.path.join(out, "entropy.png"))
   line_plot(rows, ["response_length/mean", "response_length/max"], "response length",
             os.path.join(out, "response_length.png"), "tokens")
