@@ -95,10 +95,11 @@ def main():
     per_seed = ", ".join(f"{100 * a:.0f}" for a in m["val_acc_per_seed"])
     print(f"| {method} | {len(m['seeds'])} | {mean}{std} | {per_seed} | "
           f"{m['train_reward_last3_mean']:.3f} | {m['wall_s_mean'] / 60:.1f} min |")
-  plot_comparison(curves, os.path.join(args.study, "comparison.png"))
+  plot_comparison(curves, os.path.join(args.study, "comparison.png"),
+                  result.get("base_val_acc"))
 
 
-def plot_comparison(curves: dict, path: str) -> None:
+def plot_comparison(curves: dict, path: str, base_acc: float | None) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
   for method, runs in curves.items():
     steps = min(len(rows) for rows in runs)
@@ -109,11 +110,15 @@ def plot_comparison(curves: dict, path: str) -> None:
       for r in rows:
         if "val/avg_score" in r:
           val[r["step"]].append(r["val/avg_score"])
+    if base_acc is not None:
+      val[0] = [base_acc]  # the untrained model, the same for every method
     x = sorted(val)
     axes[1].errorbar(x, [np.mean(val[s]) for s in x], yerr=[np.std(val[s]) for s in x],
                      marker="o", capsize=3, label=method)
-  axes[0].set_title("training reward (batch accuracy), mean over seeds")
-  axes[1].set_title("held-out greedy accuracy, mean ± std over seeds")
+  axes[0].set_title("training reward, mean over seeds\n(ExGRPO's includes its replayed, "
+                    "correct members)", fontsize=10)
+  axes[1].set_title("held-out greedy accuracy, mean ± std over seeds\n(step 0: the "
+                    "untrained model)", fontsize=10)
   for ax in axes:
     ax.set_xlabel("training step")
     ax.grid(alpha=0.3)
