@@ -90,7 +90,7 @@ def model_config_from_json(d: dict) -> config_lib.ModelConfig:
   return config_lib.ModelConfig(**d)
 
 
-def _step_dir(path: str) -> str | None:
+def latest_step_dir(path: str) -> str | None:
   """The step directory `path` names (a workdir, its checkpoints dir, or a step dir)."""
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "meta")) and os.path.isdir(os.path.join(path, "params")):
@@ -105,12 +105,12 @@ def _step_dir(path: str) -> str | None:
 
 
 def is_training_checkpoint(path: str) -> bool:
-  return os.path.isdir(path) and _step_dir(path) is not None
+  return os.path.isdir(path) and latest_step_dir(path) is not None
 
 
 def load_policy_for_export(path: str):
   """(ModelConfig, params as numpy, tokenizer source) from a workdir or step directory."""
-  step_dir = _step_dir(path)
+  step_dir = latest_step_dir(path)
   if step_dir is None:
     raise FileNotFoundError(f"{path}: no exgrpo_jax checkpoint found")
   with open(os.path.join(step_dir, "meta", "metadata")) as f:

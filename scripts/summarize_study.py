@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 import numpy as np  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from exgrpo_jax import checkpointing  # pylint: disable=wrong-import-position
 from exgrpo_jax.training import run_log  # pylint: disable=wrong-import-position
 
 METHOD_ORDER = ("onpolicy", "exgrpo", "no_shaping", "no_tsel")
@@ -34,7 +35,15 @@ def last_rows(workdir: str) -> list[dict]:
                                    .items())]
 
 
-def summarize_run(rows: list[dict]) -> dict:
+def run_config(workdir: str) -> dict:
+  """The training config stored with the run's latest checkpoint."""
+  step_dir = checkpointing.latest_step_dir(workdir)
+  with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
+    return json.load(f)["config"]
+
+
+def summarize_run(rows: list[dict], config: dict) -> dict:
+  per_step = config["train"]["batch_questions"] * config["rollout"]["k"]
   evals = [r for r in rows if "val/avg_score" in r]
   final = evals[-1] if evals else {}
   return {
@@ -46,6 +55,8 @@ def summarize_run(rows: list[dict]) -> dict:
       "train_reward_first3": float(np.mean([r["batch/solved"] for r in rows[:3]])),
       "train_reward_last3": float(np.mean([r["batch/solved"] for r in rows[-3:]])),
       "replayed_questions": int(sum(r.get("experience/batch_size", 0) for r in rows)),
+      # The rollout budget: K fresh samples per fresh question, K - 1 per replayed one.
+      "fresh_rollouts": int(sum(per_step - r.get("experience/batch_size", 0) for r in rows)),
       "final_entropy": rows[-1].get("actor/entropy"),
       "wall_s": float(sum(r.get("timing_s/step", 0.0) for r in rows)),
   }
@@ -65,7 +76,7 @@ def main():
     if not rows or not any("val/avg_score" in r for r in rows[-1:]):
       print(f"{workdir}: unfinished (no final evaluation yet), left out", file=sys.stderr)
       continue
-    runs[match[1]][int(match[2])] = summarize_run(rows)
+    runs[match[1]][int(match[2])] = summarize_run(rows, run_config(workdir))
     curves[match[1]].append(rows)
   if not runs:
     raise SystemExit(f"{args.study}: no runs with metrics.jsonl")
@@ -85,16 +96,20 @@ def main():
         "train_reward_last3_mean": float(np.mean([r["train_reward_last3"]
                                                   for r in runs[method].values()])),
         "wall_s_mean": float(np.mean([r["wall_s"] for r in runs[method].values()])),
+        "fresh_rollouts_mean": float(np.mean([r["fresh_rollouts"]
+                                              for r in runs[method].values()])),
     }
   print(json.dumps(result, indent=1))
   print("\n| method | seeds | held-out acc. (%) mean ± std | per seed | "
-        "train reward, last 3 steps | wall time / run |\n|---|---|---|---|---|---|")
+        "train reward, last 3 steps | fresh rollouts / run | wall time / run |\n"
+        "|---|---|---|---|---|---|---|")
   for method, m in result["methods"].items():
     std = f" ± {100 * m['val_acc_std']:.1f}" if m["val_acc_std"] is not None else ""
     mean = f"{100 * m['val_acc_mean']:.1f}" if m["val_acc_mean"] is not None else "n/a"
     per_seed = ", ".join(f"{100 * a:.0f}" for a in m["val_acc_per_seed"])
     print(f"| {method} | {len(m['seeds'])} | {mean}{std} | {per_seed} | "
-          f"{m['train_reward_last3_mean']:.3f} | {m['wall_s_mean'] / 60:.1f} min |")
+          f"{m['train_reward_last3_mean']:.3f} | {m['fresh_rollouts_mean']:.0f} | "
+          f"{m['wall_s_mean'] / 60:.1f} min |")
   plot_comparison(curves, os.path.join(args.study, "comparison.png"),
                   result.get("base_val_acc"))
 
