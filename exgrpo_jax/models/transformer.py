@@ -93,6 +93,42 @@ def apply_rope(x_BxTxNxDh, positions_BxT, inv_freq):
   return x_BxTxNxDh * cos.astype(dtype) + rotated * sin.astype(dtype)
 
 
+def attend(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxTxS, cache_kv):
+  """Grouped-query attention of T new (RoPE'd) queries over their keys/values.
+
+  With `cache_kv` = (k_BxKxDhxS, v_BxKxSxDh, index) the new keys/values are first written
+  at slot `index` and the queries attend to all S slots (through the mask); returns
+  (out_BxTxHxDh, updated (k, v) cache or None).
+  """
+  dt = q_BxTxHxDh.dtype
+  k_BxKxDhxT = k_BxTxKxDh.transpose(0, 2, 3, 1)
+  v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
+  if cache_kv is not None:
+    cache_k, cache_v, index = cache_kv
+    k_BxKxDhxS = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxKxDhxT, index, axis=3)
+    v_BxKxSxDh = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxKxTxDh, index, axis=2)
+    new_kv = (k_BxKxDhxS, v_BxKxSxDh)
+  else:
+    k_BxKxDhxS, v_BxKxSxDh, new_kv = k_BxKxDhxT, v_BxKxTxDh, None
+
+  # Query rows m = (group member g, position t) per KV head, so both attention matmuls
+  # are plain [M, Dh] x [Dh, S] and [M, S] x [S, Dh] matmuls batched over (b, k), which
+  # XLA:CPU's library dot runs directly; other arrangements made XLA transpose the
+  # cache (or, on every decode step, the o_proj weight) or use a slow generic dot.
+  B, T, H, Dh = q_BxTxHxDh.shape
+  K, S = k_BxKxDhxS.shape[1], k_BxKxDhxS.shape[3]
+  G = H // K
+  q_BxKxMxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(
+      B, K, G * T, Dh)
+  scores = jnp.einsum("bkmh,bkhs->bkms", q_BxKxMxDh, k_BxKxDhxS,
+                      preferred_element_type=jnp.float32) / math.sqrt(Dh)
+  scores = jnp.where(mask_BxTxS[:, None, None], scores.reshape(B, K, G, T, S), _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(B, K, G * T, S)
+  out_BxKxMxDh = jnp.einsum("bkms,bksh->bkmh", probs, v_BxKxSxDh)
+  return out_BxKxMxDh.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(
+      B, T, H, Dh), new_kv
+
+
 def _param(module, name, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
@@ -138,31 +174,7 @@ class Attention(nn.Module):
     k_BxTxKxDh = apply_rope(project("k_proj", K, "kv_heads"), positions_BxT, inv_freq)
     v_BxTxKxDh = project("v_proj", K, "kv_heads")
 
-    k_BxKxDhxT = k_BxTxKxDh.transpose(0, 2, 3, 1)
-    v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
-    if cache_kv is not None:
-      cache_k, cache_v, index = cache_kv
-      k_BxKxDhxS = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxKxDhxT, index, axis=3)
-      v_BxKxSxDh = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxKxTxDh, index, axis=2)
-      new_kv = (k_BxKxDhxS, v_BxKxSxDh)
-    else:
-      k_BxKxDhxS, v_BxKxSxDh, new_kv = k_BxKxDhxT, v_BxKxTxDh, None
-
-    # Query rows m = (group member g, position t) per KV head, so both attention matmuls
-    # are plain [M, Dh] x [Dh, S] and [M, S] x [S, Dh] matmuls batched over (b, k), which
-    # XLA:CPU's library dot runs directly; other arrangements made XLA transpose the
-    # cache (or, on every decode step, the o_proj weight) or use a slow generic dot.
-    B, T = x_BxTxD.shape[:2]
-    G, S = H // K, k_BxKxDhxS.shape[3]
-    q_BxKxMxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(
-        B, K, G * T, Dh)
-    scores = jnp.einsum("bkmh,bkhs->bkms", q_BxKxMxDh, k_BxKxDhxS,
-                        preferred_element_type=jnp.float32) / math.sqrt(Dh)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores.reshape(B, K, G, T, S), _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(B, K, G * T, S)
-    out_BxKxMxDh = jnp.einsum("bkms,bksh->bkmh", probs, v_BxKxSxDh)
-    out_BxTxHxDh = out_BxKxMxDh.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(
-        B, T, H, Dh)
+    out_BxTxHxDh, new_kv = attend(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxTxS, cache_kv)
     w_o = _param(self, "o_proj", init, (H, Dh, D), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)), new_kv
 

@@ -8,8 +8,8 @@ and feeds it back through the model, until every row has emitted an EOS id or
 prompt length, so a training run compiles a handful of programs; the parameters are an
 ordinary argument, so new weights never cause a recompile.
 
-The decode step runs the model's own `DecoderLayer`s, unrolled over layers, on per-layer
-parameter slices (cut once per call) and per-layer caches, instead of the layer scan
+The decode step runs the model's layers, unrolled, on per-layer weights (cut, cast and
+rearranged once per call: `decode_layer`) and per-layer caches, instead of the layer scan
 `models.apply` uses: inside a scan XLA copies every layer's weights and cache out of the
 stacked arrays and rebuilds the whole stacked cache on every step (for SmolLM2 at batch
 64 on CPU that made a step take ~4x its matmul time), while here each layer's cache is
@@ -26,6 +26,7 @@ from exgrpo_jax import models
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import transformer
 from exgrpo_jax.sampling import categorical
+from exgrpo_jax.sampling import decode_layer
 
 
 def _last_logits(cfg, params, hidden_BxD):
@@ -35,27 +36,27 @@ def _last_logits(cfg, params, hidden_BxD):
                     preferred_element_type=jnp.float32)
 
 
-def _split_rows(cache: models.KVCache, row_prompt_B: jax.Array):
-  """Per-layer (k, v) caches of each row's prompt, from the stacked prompt cache."""
-  take = lambda x: jnp.take(x, row_prompt_B, axis=0)
-  return tuple((take(cache.k_LxBxKxDhxS[i]), take(cache.v_LxBxKxSxDh[i]))
+def _split_rows(cache: models.KVCache, row_prompt_B: jax.Array, new_slots: int):
+  """Per-layer (k, v) caches of each row's prompt, with `new_slots` empty slots added."""
+  take = lambda x, axis: jnp.pad(jnp.take(x, row_prompt_B, axis=0),
+                                 [(0, new_slots if a == axis else 0) for a in range(x.ndim)])
+  return tuple((take(cache.k_LxBxKxDhxS[i], 3), take(cache.v_LxBxKxSxDh[i], 2))
                for i in range(cache.k_LxBxKxDhxS.shape[0]))
 
 
-def _decode_step(cfg, params, layer_params, caches, valid_BxS, index, token_B):
+def _decode_step(cfg, params, layers, caches, valid_BxS, index, token_B):
   """One token per row through the unrolled layers; returns (logits, caches, valid)."""
   dt = config_lib.dtype_from_name(cfg.dtype)
-  x_Bx1xD = jnp.take(params["embed"], token_B[:, None], axis=0).astype(dt)
+  x_BxD = jnp.take(params["embed"], token_B, axis=0).astype(dt)
   valid_BxS, positions_Bx1, mask_Bx1xS = transformer.cache_positions_and_mask(
       valid_BxS, index, jnp.ones((token_B.shape[0], 1), bool))
-  layer = transformer.DecoderLayer(cfg)
   new_caches = []
-  for lp, (k, v) in zip(layer_params, caches):
-    x_Bx1xD, kv = layer.apply({"params": lp}, x_Bx1xD, (k, v, index), positions_Bx1,
-                              mask_Bx1xS)
+  for w, (k, v) in zip(layers, caches):
+    x_BxD, kv = decode_layer.step(cfg, w, x_BxD, (k, v, index), positions_Bx1,
+                                  mask_Bx1xS)
     new_caches.append(kv)
-  h_Bx1xD = transformer.RMSNorm(cfg).apply({"params": params["final_norm"]}, x_Bx1xD)
-  return _last_logits(cfg, params, h_Bx1xD[:, 0]), tuple(new_caches), valid_BxS
+  h_BxD = transformer.RMSNorm(cfg).apply({"params": params["final_norm"]}, x_BxD)
+  return _last_logits(cfg, params, h_BxD), tuple(new_caches), valid_BxS
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -84,16 +85,20 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
   """
   B, N = row_prompt_B.shape[0], max_new_tokens
   P, L = prompt_PxL.shape
-  cache = models.KVCache.zeros(cfg, P, L + N)
+  # The prefill attends over the prompt's L slots only; the N decode slots are added when
+  # each row's cache is copied out, so the prefill's cost does not grow with N.
+  cache = models.KVCache.zeros(cfg, P, L)
   hidden_PxLxD, cache = models.apply(cfg, params, prompt_PxL, valid_PxL, cache=cache,
                                      return_hidden=True)
   logits_BxV = jnp.take(_last_logits(cfg, params, hidden_PxLxD[:, -1]), row_prompt_B, axis=0)
-  caches = _split_rows(cache, row_prompt_B)
-  valid_BxS = jnp.take(cache.valid_BxS, row_prompt_B, axis=0)
-  # The barrier keeps the per-layer weight slices outside the loop; without it XLA sinks
-  # them into the loop body and copies every weight matrix on every step.
-  layer_params = jax.lax.optimization_barrier(
-      [jax.tree.map(lambda p, i=i: p[i], params["layers"]) for i in range(cfg.num_layers)])
+  caches = _split_rows(cache, row_prompt_B, N)
+  valid_BxS = jnp.pad(jnp.take(cache.valid_BxS, row_prompt_B, axis=0), ((0, 0), (0, N)))
+  # The barrier keeps the per-layer weights outside the loop; without it XLA sinks their
+  # slicing and rearranging into the loop body and copies every weight matrix on every
+  # step.
+  layers = jax.lax.optimization_barrier(
+      [decode_layer.prepare(cfg, jax.tree.map(lambda p, i=i: p[i], params["layers"]))
+       for i in range(cfg.num_layers)])
   choose = functools.partial(categorical.choose_tokens, top_k=top_k, use_top_p=use_top_p,
                              return_entropy=return_entropy)
 
@@ -115,7 +120,7 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
           ent_BxN, jnp.where(active_B, ent_B, 0.0)[:, None], t, 1)
     lengths_B = jnp.where(active_B, t + 1, lengths_B)
     done_B = done_B | jnp.isin(token_B, eos_ids_E)
-    logits_BxV, caches, valid_BxS = _decode_step(cfg, params, layer_params, caches,
+    logits_BxV, caches, valid_BxS = _decode_step(cfg, params, layers, caches,
                                                  valid_BxS, L + t, token_B)
     return (t + 1, caches, valid_BxS, logits_BxV, done_B, lengths_B, tokens_BxN, logp_BxN,
             ent_BxN)
