@@ -51,6 +51,8 @@ def test_shipped_configs_pass(name, variant):
     ("train.steps", 0, r"config.train.steps=0"),
     ("data.train_path", "/nonexistent.parquet", r"config.data.train_path=.*no such file"),
     ("model.dtype", "float16", r"config.model.dtype='float16': must be one of float32"),
+    ("reward.plugins", "tests.reward_plugins,no_such_module",
+     r"config.reward.plugins=.*module 'no_such_module' cannot be imported"),
 ])
 def test_bad_value_is_one_clear_error(key, value, message):
   c = _config()

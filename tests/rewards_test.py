@@ -204,5 +204,5 @@ def test_in_process_mode_still_times_out():
 
 
 def test_bad_plugin_fails_loudly_at_start():
-  with pytest.raises(RuntimeError, match="ModuleNotFoundError"):
+  with pytest.raises(RuntimeError, match="reward plugin module 'no_such_reward_module'"):
     rewards.RewardPool(num_workers=1, plugin_modules=["no_such_reward_module"])

@@ -2,5 +2,5 @@
 worker pool that runs them under a per-item deadline."""
 
 from exgrpo_jax.rewards.graders import (REWARDS, SOURCE_REWARDS, STATUSES, ends_with_think,
-                                        grade, reward_for_source)
+                                        grade, load_plugins, reward_for_source)
 from exgrpo_jax.rewards.pool import RewardItem, RewardPool

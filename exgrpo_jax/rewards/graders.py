@@ -14,8 +14,10 @@ per-item deadline itself (both use SIGALRM, and Math-Verify would cancel ours).
 
 import fractions
 import functools
+import importlib
 import logging
 import re
+from typing import Sequence
 
 import math_verify
 
@@ -37,6 +39,23 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # With its timeouts off, Math-Verify warns once per process that we must time it out
 # ourselves, which pool.py does.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def load_plugins(modules: str | Sequence[str]) -> tuple[str, ...]:
+  """Imports reward plugin modules, which register their rewards in REWARDS on import.
+
+  `modules` is a sequence of module names or one comma-separated string (the form of
+  `config.reward.plugins`); returns the names imported. A module that cannot be imported
+  raises ImportError naming it.
+  """
+  names = tuple(filter(None, (n.strip() for n in (
+      modules.split(",") if isinstance(modules, str) else modules))))
+  for name in names:
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      raise ImportError(f"reward plugin module {name!r} cannot be imported: {e}") from e
+  return names
 
 
 def reward_for_source(data_source: str, override: str = "") -> str:

@@ -20,7 +20,6 @@ shutdown) and cap their address space at `max_memory_mb` above what they started
 
 import collections
 import dataclasses
-import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -90,8 +89,7 @@ def _worker_main(conn, timeout_s: float, plugin_modules: Sequence[str],
   """A worker's loop: receive (index, item), answer (index, reward, status)."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   try:
-    for name in plugin_modules:
-      importlib.import_module(name)
+    graders.load_plugins(plugin_modules)
     if max_memory_mb and os.path.exists("/proc/self/statm"):  # Linux; skipped elsewhere
       _cap_address_space(max_memory_mb)
   except Exception as e:  # pylint: disable=broad-except
@@ -157,8 +155,7 @@ class RewardPool:
     self._ctx = multiprocessing.get_context(start_method)
     self._args = (self.timeout_s, tuple(plugin_modules), max_memory_mb)
     if num_workers == 0:
-      for name in plugin_modules:
-        importlib.import_module(name)
+      graders.load_plugins(plugin_modules)
     self._workers = [_Worker(self._ctx, self._args) for _ in range(num_workers)]
     self._restarts = 0
     try:

@@ -7,7 +7,6 @@ trajectory selection) and missing files. Unknown keys are caught earlier, by the
 ConfigDict. The mesh is checked by `exgrpo_jax.sharding` when it is built.
 """
 
-import importlib
 import os
 
 from exgrpo_jax import advantages
@@ -80,8 +79,10 @@ def check(c) -> None:
   _range(c, "rollout.top_k", 0)
   _range(c, "rollout.max_new_tokens", 0, low_open=True)
 
-  for module in filter(None, c.reward.plugins.split(",")):
-    importlib.import_module(module)  # plugins register their reward names on import
+  try:
+    graders.load_plugins(c.reward.plugins)  # before reward.name: plugins add names
+  except ImportError as e:
+    _require(False, "reward.plugins", c.reward.plugins, str(e))
   if c.reward.name:
     _known("reward.name", c.reward.name, graders.REWARDS.names())
   _range(c, "reward.num_workers", 0)

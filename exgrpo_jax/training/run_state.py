@@ -11,7 +11,6 @@ whole on one device. In a multi-process run every process holds the same host st
 (see `exgrpo_jax.distributed`).
 """
 
-import importlib
 import json
 import os
 import sys
@@ -80,9 +79,7 @@ class RunState:
                                        self.opt_shardings)
 
     # Custom rewards register themselves on import; the data loader checks reward names.
-    plugins = [name for name in config.reward.plugins.split(",") if name]
-    for name in plugins:
-      importlib.import_module(name)
+    plugins = rewards.load_plugins(config.reward.plugins)
     self.prompts, self.data_stats = self._load_prompts(config.data.train_path,
                                                        config.data.limit)
     self._by_uid = {p.question.uid: p for p in self.prompts}
