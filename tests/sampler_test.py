@@ -72,6 +72,22 @@ def test_logprobs_and_entropy_equal_teacher_forced(tiny, config):
     assert not out.logprobs_NxT[r, length:].any() and not out.entropy_NxT[r, length:].any()
 
 
+def test_qwen2_attention_biases_are_applied_in_decode():
+  """The decode loop's own layer (`decode_layer`) adds q/k/v biases as the model does."""
+  cfg, params = tiny_model()
+  cfg = dataclasses.replace(cfg, attention_bias=True)
+  params = models.init_params(cfg, jax.random.key(0)) | {"lm_head": params["lm_head"]}
+  attn = params["layers"]["attn"]
+  for i, name in enumerate(("q_proj_bias", "k_proj_bias", "v_proj_bias")):
+    attn[name] = jax.random.normal(jax.random.key(i), attn[name].shape)
+  out = sampling.make_engine("jax", cfg, None).generate(PROMPTS, 1, params,
+                                                       jax.random.key(5), BASE)
+  responses = [out.tokens_NxT[r, :n] for r, n in enumerate(out.lengths_N)]
+  for r, (logp, entropy) in enumerate(teacher_forced(cfg, params, PROMPTS, responses)):
+    np.testing.assert_allclose(out.logprobs_NxT[r, :out.lengths_N[r]], logp, atol=1e-5)
+    np.testing.assert_allclose(out.entropy_NxT[r, :out.lengths_N[r]], entropy, atol=1e-4)
+
+
 def test_greedy_is_independent_of_batch_neighbours(tiny):
   cfg, params, engine = tiny
   alone = engine.generate([PROMPTS[0], [7], [8]], 1, params, jax.random.key(0), GREEDY)
