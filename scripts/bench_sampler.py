@@ -2,6 +2,7 @@
 
   python scripts/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
   python scripts/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
+  python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024
 
 Both samplers run in this process on the same chat prompts (GSM8K test questions from
 ../shared/data when present), sample at temperature 1 with no top-k/top-p, and generate
@@ -18,6 +19,10 @@ the JSON has:
   decode attention streams the KV cache (memory-bound, not in the FLOP count), also
   the bound of compute time plus the time to read the average context's KV once;
 * the compiled program's device memory (XLA memory_analysis).
+
+With --cache-phases it instead times our sampler with the KV cache at full size from the
+first step (1 phase) against the default for that length (`decode.phases_for`: long
+rollouts grow the cache in phases), calls alternating, in one process.
 
 On an NVIDIA GPU the transformers model runs on CUDA, vLLM is timed when it imports, and
 the bandwidth bound uses the GPU's measured bandwidth. Other work on the machine skews
@@ -39,6 +44,7 @@ import numpy as np
 from exgrpo_jax import generate
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.sampling import decode
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
                     "shared", "data", "gsm8k_test.parquet")
@@ -87,6 +93,28 @@ def bench_ours(cfg, params, tokenizer, prompts, new_tokens, repeats):
               decode_tokens_per_s=B / step_s, decode_step_ms=1e3 * step_s,
               compile_s=engine.stats["compile_s"], compiles=engine.stats["compiles"],
               memory=engine.stats["memory"])
+
+
+def bench_cache_phases(cfg, params, tokenizer, prompts, new_tokens, repeats):
+  """tokens/s with the whole cache from the start vs the default phased cache."""
+  phased = decode.phases_for(new_tokens)
+  config = sampling.SamplingConfig(max_new_tokens=new_tokens)
+  runs = {}
+  for phases in (1, phased):
+    engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True, cache_phases=phases)
+    run = lambda e=engine: e.generate(prompts, 1, params, jax.random.key(0), config)
+    run()  # warm-up: compiles
+    runs[phases] = (engine, run, [])
+  for _ in range(repeats):  # alternate, so drifting load hits both alike
+    for _, run, times in runs.values():
+      start = time.perf_counter()
+      run()
+      times.append(time.perf_counter() - start)
+  out = {f"phases_{p}": dict(tokens_per_s=len(prompts) * new_tokens / statistics.median(t),
+                             seconds=statistics.median(t), compile_s=e.stats["compile_s"])
+         for p, (e, _, t) in runs.items()}
+  out["speedup"] = out[f"phases_{phased}"]["tokens_per_s"] / out["phases_1"]["tokens_per_s"]
+  return out
 
 
 def bench_transformers(hf_dir, tokenizer, prompts, new_tokens, repeats, device):
@@ -185,6 +213,8 @@ def main(argv=None):
   p.add_argument("--new-tokens", type=int, default=128)
   p.add_argument("--repeats", type=int, default=2)
   p.add_argument("--skip-transformers", action="store_true")
+  p.add_argument("--cache-phases", action="store_true",
+                 help="only compare the full-size cache with the phased one")
   args = p.parse_args(argv)
   policy = models.from_pretrained(args.model or None)
   tokenizer = models.load_tokenizer(args.model or None)
@@ -198,8 +228,15 @@ def main(argv=None):
                 measured_read_bandwidth_gb_per_s=bandwidth, runs=[])
   for batch in [int(b) for b in args.batch_sizes.split(",")]:
     prompts = chat_prompts(tokenizer, batch)
-    log(f"batch {batch}: ours")
     run = dict(batch=batch, mean_prompt_tokens=float(np.mean([len(q) for q in prompts])))
+    if args.cache_phases:
+      log(f"batch {batch}: cache phases")
+      run["cache_phases"] = bench_cache_phases(policy.config, policy.params, tokenizer,
+                                               prompts, args.new_tokens, args.repeats)
+      result["runs"].append(run)
+      log(json.dumps(run))
+      continue
+    log(f"batch {batch}: ours")
     run["ours"] = bench_ours(policy.config, policy.params, tokenizer, prompts,
                              args.new_tokens, args.repeats)
     if not args.skip_transformers:

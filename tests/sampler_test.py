@@ -13,6 +13,7 @@ from scipy import special
 
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.sampling import decode
 
 MAX_NEW = 12
 PROMPTS = [[5, 6, 7], list(range(20, 37)), [3, 9, 4, 11, 2, 8, 30, 31, 40]]
@@ -115,6 +116,26 @@ def test_same_key_same_output_whatever_the_batch(tiny):
   other = engine.generate(PROMPTS, [2, 1, 3], params, jax.random.key(8), BASE)
   assert (other.tokens_NxT != a.tokens_NxT).any()
   assert (a.tokens_NxT[0] != a.tokens_NxT[1]).any()  # two samples, two draws
+
+
+def test_phased_cache_gives_the_same_rollouts(tiny):
+  """Growing the cache in phases (long rollouts do, `decode.phases_for`) changes nothing
+  but speed, also when phases end mid-sequence or every row stops in the first one."""
+  cfg, params, engine = tiny
+  assert decode.phases_for(MAX_NEW) == 1 and decode.phases_for(8192) > 1
+  eos_cfg = dataclasses.replace(cfg, eos_token_id=(int(
+      engine.generate([[7]], 1, params, jax.random.key(0), GREEDY).tokens_NxT[0, 1]),))
+  cases = [(cfg, BASE, jax.random.key(7)), (cfg, GREEDY, jax.random.key(0)),
+           (eos_cfg, GREEDY, jax.random.key(0))]
+  for model_cfg, config, key in cases:
+    one, phased = [  # 12 steps in 5 phases: 3, 2, 3, 2, 2
+        sampling.make_engine("jax", model_cfg, None, cache_phases=phases).generate(
+            PROMPTS + [[7]], [2, 1, 3, 1], params, key, config) for phases in (1, 5)]
+    np.testing.assert_array_equal(phased.tokens_NxT, one.tokens_NxT)
+    np.testing.assert_array_equal(phased.lengths_N, one.lengths_N)
+    np.testing.assert_allclose(phased.logprobs_NxT, one.logprobs_NxT, atol=1e-6)
+    np.testing.assert_allclose(phased.entropy_NxT, one.entropy_NxT, atol=1e-5)
+  assert one.lengths_N[-1] == 2  # the EOS case did stop early
 
 
 def test_max_rows_splits_whole_prompts(tiny):

@@ -98,8 +98,8 @@ def _child(outdir: str) -> None:
         unsplit_after_steps=_unsplit_large_leaves(params, opt_state),
         param_bytes_per_device=sharding.bytes_per_device(params),
         param_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
-    if name in SAMPLING_MESHES:
-      out = sampling.make_engine("jax", cfg, None).generate(
+    if name in SAMPLING_MESHES:  # with a phased cache (long rollouts), against 1 phase
+      out = sampling.make_engine("jax", cfg, None, cache_phases=3).generate(
           prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
           greedy)
       summary[name].update(greedy=out.tokens_NxT.tolist(),

@@ -15,6 +15,13 @@ stacked arrays and rebuilds the whole stacked cache on every step (for SmolLM2 a
 64 on CPU that made a step take ~4x its matmul time), while here each layer's cache is
 updated in place and read once per step. The price is a longer compile (the layer body
 is traced L times: ~12 s for SmolLM2's 30 layers on 2 CPU cores).
+
+Every step attends to all the cache's slots (masked where empty), so a cache sized for
+the whole rollout from the first step makes early steps pay for slots not yet written.
+Long rollouts therefore grow the cache in phases (`phases_for`): the loop runs once per
+phase with the cache extended by that phase's slots. With 4 phases a step attends on
+average to L + 5N/8 slots instead of L + N, at the price of one loop body to compile
+per phase.
 """
 
 import functools
@@ -28,6 +35,11 @@ from exgrpo_jax.models import transformer
 from exgrpo_jax.sampling import categorical
 from exgrpo_jax.sampling import decode_layer
 
+# Rollouts of at least _LONG_ROLLOUT new tokens decode in _PHASES phases (`generate`):
+# shorter ones would pay more in compile time (a loop body per phase) than they save.
+_LONG_ROLLOUT = 512
+_PHASES = 4
+
 
 def _last_logits(cfg, params, hidden_BxD):
   """The LM head on one position, computed exactly as the model computes its logits."""
@@ -36,11 +48,10 @@ def _last_logits(cfg, params, hidden_BxD):
                     preferred_element_type=jnp.float32)
 
 
-def _split_rows(cache: models.KVCache, row_prompt_B: jax.Array, new_slots: int):
-  """Per-layer (k, v) caches of each row's prompt, with `new_slots` empty slots added."""
-  take = lambda x, axis: jnp.pad(jnp.take(x, row_prompt_B, axis=0),
-                                 [(0, new_slots if a == axis else 0) for a in range(x.ndim)])
-  return tuple((take(cache.k_LxBxKxDhxS[i], 3), take(cache.v_LxBxKxSxDh[i], 2))
+def _split_rows(cache: models.KVCache, row_prompt_B: jax.Array):
+  """Per-layer (k, v) caches of each row's prompt, from the stacked prompt cache."""
+  take = lambda x: jnp.take(x, row_prompt_B, axis=0)
+  return tuple((take(cache.k_LxBxKxDhxS[i]), take(cache.v_LxBxKxSxDh[i]))
                for i in range(cache.k_LxBxKxDhxS.shape[0]))
 
 
@@ -59,11 +70,22 @@ def _decode_step(cfg, params, layers, caches, valid_BxS, index, token_B):
   return _last_logits(cfg, params, h_BxD), tuple(new_caches), valid_BxS
 
 
+def phases_for(max_new_tokens: int) -> int:
+  """How many phases the decode loop's cache grows in (see `generate`)."""
+  return 1 if max_new_tokens < _LONG_ROLLOUT else _PHASES
+
+
+def _pad_slots(caches, valid_BxS, slots: int):
+  """`slots` more (empty, masked) cache slots at the end of every layer's k/v cache."""
+  pad = lambda x, axis: jnp.pad(x, [(0, slots if a == axis else 0) for a in range(x.ndim)])
+  return (tuple((pad(k, 3), pad(v, 2)) for k, v in caches), pad(valid_BxS, 1))
+
+
 @functools.partial(jax.jit, static_argnames=(
-    "cfg", "max_new_tokens", "top_k", "use_top_p", "return_entropy"))
+    "cfg", "max_new_tokens", "top_k", "use_top_p", "return_entropy", "phases"))
 def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, temperature,
              top_p, greedy, eos_ids_E, *, max_new_tokens: int, top_k: int, use_top_p: bool,
-             return_entropy: bool):
+             return_entropy: bool, phases: int = 1):
   """Samples up to `max_new_tokens` tokens for every row.
 
   Args:
@@ -77,6 +99,9 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
     eos_ids_E: int32 ids that end a row (emitted and counted in its length).
     max_new_tokens, top_k, use_top_p, return_entropy: static options, see
       `categorical.choose_tokens`.
+    phases: static; the decode loop runs in this many phases of about N / phases steps,
+      and the cache holds only the slots written so far plus the current phase's, so
+      early steps attend to fewer slots. Each phase compiles its own loop body.
 
   Returns:
     dict of tokens_BxN (int32; 0 after the end), logprobs_BxN (0 after the end),
@@ -91,8 +116,8 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
   hidden_PxLxD, cache = models.apply(cfg, params, prompt_PxL, valid_PxL, cache=cache,
                                      return_hidden=True)
   logits_BxV = jnp.take(_last_logits(cfg, params, hidden_PxLxD[:, -1]), row_prompt_B, axis=0)
-  caches = _split_rows(cache, row_prompt_B, N)
-  valid_BxS = jnp.pad(jnp.take(cache.valid_BxS, row_prompt_B, axis=0), ((0, 0), (0, N)))
+  caches = _split_rows(cache, row_prompt_B)
+  valid_BxS = jnp.take(cache.valid_BxS, row_prompt_B, axis=0)
   # The barrier keeps the per-layer weights outside the loop; without it XLA sinks their
   # slicing and rearranging into the loop body and copies every weight matrix on every
   # step.
@@ -102,9 +127,8 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
   choose = functools.partial(categorical.choose_tokens, top_k=top_k, use_top_p=use_top_p,
                              return_entropy=return_entropy)
 
-  def cond(state):
-    t, done_B = state[0], state[4]
-    return (t < N) & ~jnp.all(done_B)
+  def cond(end):
+    return lambda state: (state[0] < end) & ~jnp.all(state[4])
 
   def body(state):
     t, caches, valid_BxS, logits_BxV, done_B, lengths_B, tokens_BxN, logp_BxN, ent_BxN = state
@@ -128,8 +152,14 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
   state = (jnp.int32(0), caches, valid_BxS, logits_BxV, ~live_B, jnp.zeros((B,), jnp.int32),
            jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32),
            jnp.zeros((B, N), jnp.float32) if return_entropy else None)
-  _, _, _, _, done_B, lengths_B, tokens_BxN, logp_BxN, ent_BxN = jax.lax.while_loop(
-      cond, body, state)
+  start = 0
+  for phase in range(phases):
+    end = -(-N * (phase + 1) // phases)
+    t, caches, valid_BxS, *rest = state
+    state = (t, *_pad_slots(caches, valid_BxS, end - start), *rest)
+    state = jax.lax.while_loop(cond(end), body, state)
+    start = end
+  _, _, _, _, done_B, lengths_B, tokens_BxN, logp_BxN, ent_BxN = state
   # A live row is done only once it has emitted an EOS id.
   return dict(tokens_BxN=tokens_BxN, logprobs_BxN=logp_BxN, entropy_BxN=ent_BxN,
               lengths_B=lengths_B, eos_B=live_B & done_B)

@@ -63,11 +63,16 @@ class JaxEngine:
       prompt (a prompt's samples stay in one call). None: everything in one call.
     ignore_eos: never stop on EOS (benchmarks: every row decodes max_new_tokens).
     rules: logical-axis rules of the rollout copy of sharded params.
+    cache_phases: how many phases the KV cache grows in during decoding
+      (`decode.generate`); None: `decode.phases_for(max_new_tokens)`.
   """
 
   def __init__(self, model_cfg, tokenizer=None, min_prompt_bucket: int = 16,
                max_rows: int | None = None, ignore_eos: bool = False,
-               rules=sharding.SAMPLER_RULES):
+               rules=sharding.SAMPLER_RULES, cache_phases: int | None = None):
+    if cache_phases is not None and cache_phases < 1:
+      raise ValueError(f"cache_phases must be None or >= 1, got {cache_phases}")
+    self.cache_phases = cache_phases
     self.model_cfg = model_cfg
     self.rules = rules
     self._reshard = {}  # mesh -> jitted reshard-and-cast to the rollout copy
@@ -166,7 +171,8 @@ class JaxEngine:
     static = dict(max_new_tokens=sampling.max_new_tokens,
                   top_k=0 if sampling.is_greedy else sampling.top_k,
                   use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
-                  return_entropy=sampling.return_entropy)
+                  return_entropy=sampling.return_entropy,
+                  phases=self.cache_phases or decode.phases_for(sampling.max_new_tokens))
     result = sharding.to_host(self._compile(args, static)(*args))
     return {k: (None if v is None else v[:R]) for k, v in result.items()}
 
