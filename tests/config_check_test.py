@@ -51,6 +51,7 @@ def test_shipped_configs_pass(name, variant):
     ("train.steps", 0, r"config.train.steps=0"),
     ("data.train_path", "/nonexistent.parquet", r"config.data.train_path=.*no such file"),
     ("model.dtype", "float16", r"config.model.dtype='float16': must be one of float32"),
+    ("model.remat", "partial", r"config.model.remat='partial': must be one of none, full, dots"),
     ("reward.plugins", "tests.reward_plugins,no_such_module",
      r"config.reward.plugins=.*module 'no_such_module' cannot be imported"),
 ])

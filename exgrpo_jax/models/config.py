@@ -11,6 +11,9 @@ from typing import Any
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# Rematerialisation of each decoder layer in the backward pass: "none", "full" (save
+# nothing) or "dots" (save matmul outputs without batch dims).
+REMATS = ("none", "full", "dots")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -54,9 +57,7 @@ class ModelConfig:
   # Storage dtype of parameters and dtype of activations / matmul inputs.
   param_dtype: str = "float32"
   dtype: str = "float32"
-  # Rematerialisation of each decoder layer in the backward pass:
-  # "none", "full" (save nothing) or "dots" (save matmul outputs without batch dims).
-  remat: str = "none"
+  remat: str = "none"  # one of REMATS
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -65,8 +66,8 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-    if self.remat not in ("none", "full", "dots"):
-      raise ValueError(f"remat must be 'none', 'full' or 'dots', got {self.remat!r}")
+    if self.remat not in REMATS:
+      raise ValueError(f"remat must be one of {REMATS}, got {self.remat!r}")
     dtype_from_name(self.param_dtype)
     dtype_from_name(self.dtype)
 

@@ -13,12 +13,13 @@ from exgrpo_jax import advantages
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
 from exgrpo_jax.data import templates
+from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
 from exgrpo_jax.rewards import graders
 
-BUCKET_WEIGHTINGS = ("gaussian", "uniform", "proportional")
+# The model config also accepts float16; training is supported in these two.
 DTYPES = ("float32", "bfloat16")
-REMATS = ("none", "full", "dots")
 
 
 class ConfigError(ValueError):
@@ -62,7 +63,7 @@ def check(c) -> None:
   m = c.model
   _known("model.dtype", m.dtype, DTYPES)
   _known("model.param_dtype", m.param_dtype, DTYPES)
-  _known("model.remat", m.remat, REMATS)
+  _known("model.remat", m.remat, config_lib.REMATS)
   if m.path:
     _file("model.path", m.path)
 
@@ -103,7 +104,7 @@ def check(c) -> None:
   _require(c.replay.k == r.k, "replay.k", c.replay.k, f"must equal rollout.k={r.k}")
   _range(c, "replay.mu", 0, 1)
   _range(c, "replay.sigma", 0, low_open=True)
-  _known("replay.weighting", c.replay.weighting, BUCKET_WEIGHTINGS)
+  _known("replay.weighting", c.replay.weighting, buckets.WEIGHTINGS)
   _range(c, "replay.max_per_question", 0)
   _range(c, "replay.max_total", 0)
 

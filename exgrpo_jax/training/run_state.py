@@ -59,10 +59,9 @@ class RunState:
     if m.random_init:
       self.model_cfg = _model_config_for_random_init(config, self.tokenizer)
     else:
-      self.model_path = m.path or models.default_model_path()
-      self.model_cfg = loading.read_config(models.resolve_hf_dir(self.model_path),
-                                           dtype=m.dtype, param_dtype=m.param_dtype,
-                                           remat=m.remat)
+      self._hf_dir = models.resolve_hf_dir(m.path or models.default_model_path())
+      self.model_cfg = loading.read_config(self._hf_dir, dtype=m.dtype,
+                                           param_dtype=m.param_dtype, remat=m.remat)
     self.mesh = sharding.make_mesh(config.mesh)
     if config.optim.micro_batch_size % sharding.batch_shards(self.mesh):
       print(f"[exgrpo_jax] warning: optim.micro_batch_size={config.optim.micro_batch_size} "
@@ -130,8 +129,7 @@ class RunState:
       self.params = sharding.init_params(self.model_cfg, jax.random.key(self.config.train.seed),
                                          self.param_shardings)
     else:
-      self.params = loading.load_params(models.resolve_hf_dir(self.model_path), self.model_cfg,
-                                        self.param_shardings)
+      self.params = loading.load_params(self._hf_dir, self.model_cfg, self.param_shardings)
     self.opt_state = sharding.init_optimizer(self._tx, self.params, self.opt_shardings)
 
   # --- per-step helpers ---------------------------------------------------------------------
