@@ -1,21 +1,35 @@
 """Shared config blocks; every model config starts from `base_config()`.
 
-Defaults are the paper's (SPEC section 2, reference section 3). Variants (`:arg`):
+Defaults are the paper's (SPEC section 2, reference section 3). Values derived from
+others are references, never copies: `replay.k` is `rollout.k` (an override of
+`replay.k` alone is refused by config_check), `replay.sigma` is 1/K in accuracy units
+and `algo.norm_len` is `rollout.max_new_tokens`; overriding a derived value detaches
+it from its source (the source keeps its value).
 
-  exgrpo       the default ExGRPO run
-  onpolicy     rho = 0: the on-policy Dr.GRPO baseline
-  no_qsel      uniform bucket weights (no question selection)
-  no_tsel      random trajectory instead of lowest entropy
-  high_ent     highest-entropy trajectory
-  no_shaping   plain clipped ratio on replayed tokens (no f(w) = w / (w + gamma))
-  no_is        behaviour log-probs replaced by the current step's (no IS correction)
-  rho25, rho75 experience ratio 0.25 / 0.75
+Variants (`:arg`), the paper's Table 6 ablations, are the overrides in `VARIANTS`.
 """
 
 import ml_collections
 
-VARIANTS = ("exgrpo", "onpolicy", "no_qsel", "no_tsel", "high_ent", "no_shaping", "no_is",
-            "rho25", "rho75")
+# name -> (overrides "section.key": value, what the variant is).
+VARIANTS = {
+    "exgrpo": ({}, "the default ExGRPO run"),
+    "onpolicy": ({"algo.rho": 0.0, "algo.loss": "grpo", "algo.clip_after_delayed_start": True},
+                 "rho = 0: the on-policy Dr.GRPO baseline (no buffer, nothing retired)"),
+    "no_qsel": ({"replay.weighting": "uniform"}, "uniform bucket weights (no question "
+                                                 "selection)"),
+    "no_tsel": ({"algo.trajectory_selection": "random"},
+                "random trajectory instead of lowest entropy"),
+    "high_ent": ({"algo.trajectory_selection": "highest_entropy"},
+                 "highest-entropy trajectory"),
+    "no_shaping": ({"algo.shaping_gamma": None}, "plain clipped ratio on replayed tokens "
+                                                 "(no f(w) = w / (w + gamma)); fresh tokens "
+                                                 "as in exgrpo"),
+    "no_is": ({"algo.is_correction": False},
+              "behaviour log-probs replaced by the current step's (no IS correction)"),
+    "rho25": ({"algo.rho": 0.25}, "experience ratio 0.25"),
+    "rho75": ({"algo.rho": 0.75}, "experience ratio 0.75"),
+}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -57,6 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
       num_workers=4,
       timeout_s=10.0,
       plugins="",             # comma-separated modules that register custom rewards
+      correct_threshold=1.0,  # a response is correct when its reward is at least this
   ))
 
   c.algo = ml_collections.ConfigDict(dict(
@@ -68,17 +83,27 @@ def base_config() -> ml_collections.ConfigDict:
       clip_after_delayed_start=False,  # the paper removes clipping in the mixed phase
       shaping_gamma=0.1,      # f(w) = w / (w + gamma); None = no policy shaping
       aggregation="token_sum_norm",
-      norm_len=8192,          # the constant L_max the token sum is divided by
+      # The constant L_max the token sum is divided by.
+      norm_len=c.rollout.get_ref("max_new_tokens").identity(),
       entropy_coeff=0.001,
       is_correction=True,     # False: behaviour log-probs := current step's
       trajectory_selection="lowest_entropy",  # | highest_entropy | random
+      # pi_old of fresh tokens and the behaviour log-probs stored in the buffer:
+      # rollout (the sampler's), recompute (the learner's forward pass at temperature 1),
+      # auto (recompute whenever the rollout's numerics differ from the learner's:
+      # model.dtype != float32, an engine other than jax, or rollout.temperature != 1).
+      old_logp_source="auto",
   ))
 
   c.replay = ml_collections.ConfigDict(dict(
-      k=c.rollout.get_ref("k"),
+      k=c.rollout.get_ref("k").identity(),
       mu=0.5,
-      sigma=0.125,            # accuracy units = 1/K: the reference's count-unit sd of 1
-      weighting="gaussian",   # gaussian | uniform
+      # Accuracy units, 1/K: the reference's count-unit sd of 1 (SPEC section 2, step 2).
+      sigma=1.0 / c.rollout.get_ref("k").to_float(),
+      weighting="gaussian",   # gaussian | uniform | proportional
+      # correct_count: bucket = correct rollouts out of K; reward_std: the continuous-
+      # reward variant (per-question reward std, min-max normalised per batch, K levels).
+      bucketing="correct_count",
       max_per_question=0,
       max_total=0,
   ))
@@ -122,23 +147,9 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> ml_collections.
   """Applies one of VARIANTS (the paper's Table 6 ablations) to config `c`."""
   if variant not in VARIANTS:
     raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-  if variant == "onpolicy":
-    c.algo.rho = 0.0
-    c.algo.loss = "grpo"
-    c.algo.clip_after_delayed_start = True
-  elif variant == "no_qsel":
-    c.replay.weighting = "uniform"
-  elif variant == "no_tsel":
-    c.algo.trajectory_selection = "random"
-  elif variant == "high_ent":
-    c.algo.trajectory_selection = "highest_entropy"
-  elif variant == "no_shaping":
-    c.algo.shaping_gamma = None
-    c.algo.clip_after_delayed_start = True
-  elif variant == "no_is":
-    c.algo.is_correction = False
-  elif variant in ("rho25", "rho75"):
-    c.algo.rho = int(variant[3:]) / 100
+  for key, value in VARIANTS[variant][0].items():
+    section, name = key.split(".")
+    c[section][name] = value
   return c
 
 
@@ -175,6 +186,5 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   if runlocal:
     c.train.batch_questions = 8
     c.rollout.max_new_tokens = 512
-    c.algo.norm_len = 512
     c.eval.limit = 64
   return apply_variant(c, variant)

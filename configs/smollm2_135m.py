@@ -26,7 +26,6 @@ def get_config(arg=None):
   c.rollout.k = 4
   c.rollout.max_new_tokens = 96
   c.reward.num_workers = 1
-  c.algo.norm_len = 96
   c.optim.lr = 1e-6
   c.optim.micro_batch_size = 8
   c.train.steps = 4

@@ -27,7 +27,6 @@ def get_config(arg=None):
   c.data.max_prompt_tokens = 128
   c.rollout.max_new_tokens = 64
   c.algo.delayed_start = 0.0
-  c.algo.norm_len = 64
   c.optim.lr = 2e-5
   c.train.steps = 12
   c.train.checkpoint_every = 3

@@ -27,7 +27,6 @@ def get_config(arg=None):
   c.rollout.max_new_tokens = 16
   c.reward.num_workers = 1
   c.algo.delayed_start = 0.0
-  c.algo.norm_len = 16
   c.optim.lr = 1e-4
   c.optim.micro_batch_size = 4
   c.train.steps = 3

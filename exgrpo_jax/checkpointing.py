@@ -4,7 +4,7 @@ Layout: `<workdir>/checkpoints/<step>/` with four items, written with the curren
 `ocp.args` API through one `CheckpointManager` (keep-last-N, atomic step directories):
 
   params  the policy parameters (restorable alone, for export and evaluation)
-  opt     optimizer state, step counter and PRNG key data
+  opt     optimizer state (AdamW moments and its step count)
   host    host-side arrays: the replay buffer's contents
   meta    JSON: model config, run config, data-stream state, buffer scalars and RNG
           state, the delayed-start flag, the tokenizer source
@@ -61,6 +61,11 @@ class CheckpointStore:
         host=ocp.args.StandardSave(host),
         meta=ocp.args.JsonSave(meta)), force=True)
     self._manager.wait_until_finished()
+
+  def restore_meta(self, step: int) -> dict:
+    """Checkpoint `step`'s meta JSON alone (e.g. to check the config before the arrays)."""
+    return self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta
 
   def restore(self, step: int, abstract_params, abstract_opt):
     """Returns (params, opt, host, meta); params/opt follow the abstract trees' shardings."""

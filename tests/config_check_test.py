@@ -54,6 +54,11 @@ def test_shipped_configs_pass(name, variant):
     ("model.remat", "partial", r"config.model.remat='partial': must be one of none, full, dots"),
     ("reward.plugins", "tests.reward_plugins,no_such_module",
      r"config.reward.plugins=.*module 'no_such_module' cannot be imported"),
+    ("algo.old_logp_source", "sampler",
+     r"config.algo.old_logp_source='sampler': must be one of auto, rollout, recompute"),
+    ("replay.bucketing", "reward_mean",
+     r"config.replay.bucketing='reward_mean': must be one of correct_count, reward_std"),
+    ("replay.sigma", 0.0, r"config.replay.sigma=0.0: must be a number in \(0, inf\]"),
 ])
 def test_bad_value_is_one_clear_error(key, value, message):
   c = _config()
@@ -63,22 +68,65 @@ def test_bad_value_is_one_clear_error(key, value, message):
     config_check.check(c)
 
 
-def test_replay_k_must_match_rollout_k():
+def test_replay_k_override_is_refused():
   c = _config()
-  # Overrides move both (replay.k references rollout.k); a hand-built config may not.
-  c.unlock()
-  c.replay = dict(c.replay.to_dict(), k=8)
-  with pytest.raises(config_check.ConfigError, match="must equal rollout.k=4"):
+  c.replay.k = 3  # replay.k is derived from rollout.k; overriding it must not move K
+  assert c.rollout.k == 4
+  with pytest.raises(config_check.ConfigError,
+                     match=r"config.replay.k=3: must equal rollout.k=4"):
     config_check.check(c)
 
 
-def test_train_cli_prints_one_line_and_fails(tmp_path):
+def test_sigma_none_means_one_over_k():
+  c = _config()
+  c.replay.sigma = None
+  config_check.check(c)
+
+
+def test_rollout_log_probs_need_temperature_one():
+  c = _config()
+  c.algo.old_logp_source = "rollout"
+  config_check.check(c)
+  c.rollout.temperature = 0.7
+  with pytest.raises(config_check.ConfigError,
+                     match=r"config.algo.old_logp_source='rollout': needs "
+                           r"rollout.temperature=1, not 0.7"):
+    config_check.check(c)
+
+
+@pytest.mark.parametrize("key, value, reason", [
+    ("rollout.k", 8, "4"),
+    ("model.arch.hidden_size", 128, "64"),
+    ("data.limit", 32, "64"),
+])
+def test_resume_refuses_what_the_checkpoint_cannot_follow(key, value, reason):
+  saved = _config().to_dict()
+  c = _config()
+  *sections, name = key.split(".")
+  node = c
+  for section in sections:
+    node = node[section]
+  node[name] = value
+  with pytest.raises(config_check.ConfigError,
+                     match=rf"config.{key}={value}: the checkpoint being resumed was "
+                           rf"trained with {reason};"):
+    config_check.check_resume(saved, c)
+  c = _config()
+  c.replay.sigma, c.optim.lr = 0.5, 3e-4  # everything else is honoured
+  config_check.check_resume(saved, c)
+
+
+@pytest.mark.parametrize("flag, line", [
+    ("--config.algo.rho=2.0", "config.algo.rho=2.0: must be a number in [0, 1]"),
+    ("--config.replay.k=3", "config.replay.k=3: must equal rollout.k=4 (it is derived "
+                            "from it; override rollout.k)"),
+])
+def test_train_cli_prints_one_line_and_fails(tmp_path, flag, line):
   proc = subprocess.run(
       [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
-       f"--workdir={tmp_path}", "--config.algo.rho=2.0"],
+       f"--workdir={tmp_path}", flag],
       capture_output=True, text=True, check=False, cwd=REPO)
   assert proc.returncode != 0
-  assert proc.stderr.strip().splitlines()[-1] == (
-      "exgrpo_jax.train: config.algo.rho=2.0: must be a number in [0, 1]")
+  assert proc.stderr.strip().splitlines()[-1] == f"exgrpo_jax.train: {line}"
   assert "Traceback" not in proc.stderr
   assert not os.path.exists(tmp_path / "checkpoints")

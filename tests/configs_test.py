@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from configs import common
@@ -56,3 +57,49 @@ def test_train_cli_rejects_unknown_key(tmp_path):
       cwd=os.path.dirname(CONFIG_DIR))
   assert proc.returncode != 0
   assert "rhoo" in proc.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("k", [4, 8, 16])
+def test_bucket_probs_follow_spec_with_sigma_one_over_k(name, k):
+  """SPEC step 2: weight exp(-(k - K/2)^2 / 2) over buckets 1..K-1 (sigma = 1/K)."""
+  from exgrpo_jax.replay import buckets  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.replay import buffer  # pylint: disable=g-import-not-at-top
+  c = importlib.import_module(f"configs.{name}").get_config()
+  c.rollout.k = k
+  sizes = np.array([0] + [3] * (k - 1) + [0])
+  counts = np.arange(k + 1)
+  spec = np.where((counts > 0) & (counts < k), np.exp(-(counts - k / 2) ** 2 / 2), 0)
+  # The buffer reads sigma as the trainer hands it over (config.replay).
+  sigma = buffer.BufferConfig.from_mapping(c.replay.to_dict()).sigma_acc
+  probs = buckets.bucket_probs(sizes, mu=c.replay.mu, sigma=sigma,
+                               weighting=c.replay.weighting)
+  np.testing.assert_allclose(probs, spec / spec.sum(), rtol=1e-12)
+
+
+def test_derived_values_follow_their_source_and_detach_when_overridden():
+  c = importlib.import_module("configs.tiny").get_config()
+  c.rollout.max_new_tokens = 32
+  c.rollout.k = 8
+  assert (c.algo.norm_len, c.replay.k, c.replay.sigma) == (32, 8, 1 / 8)
+  c.algo.norm_len = 7
+  c.replay.sigma = 0.3
+  assert (c.rollout.max_new_tokens, c.rollout.k) == (32, 8)
+  assert (c.algo.norm_len, c.replay.sigma) == (7, 0.3)
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+@pytest.mark.parametrize("variant", [v for v in common.VARIANTS if v != "exgrpo"])
+def test_variant_changes_only_its_table_entry(variant):
+  base = _flat(importlib.import_module("configs.tiny").get_config().to_dict())
+  changed = _flat(importlib.import_module("configs.tiny").get_config(variant).to_dict())
+  diff = {k for k in base if base[k] != changed[k]}
+  assert diff == {k for k, v in common.VARIANTS[variant][0].items() if base[k] != v}
+  if variant == "no_shaping":  # only the replayed tokens' objective changes
+    assert diff == {"algo.shaping_gamma"}

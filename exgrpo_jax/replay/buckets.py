@@ -7,6 +7,8 @@ A buffered question sits in bucket k = its latest number of correct rollouts out
 import numpy as np
 
 WEIGHTINGS = ("gaussian", "uniform", "proportional")
+# correct_count: bucket = correct responses out of K; reward_std: `std_buckets`.
+BUCKETINGS = ("correct_count", "reward_std")
 
 
 def bucket_probs(sizes_B: np.ndarray, *, mu: float, sigma: float,

@@ -5,6 +5,10 @@ out-of-range values (rho outside [0, 1], K < 2, non-positive lengths, ...), batc
 that do not fit together, unknown names (loss, advantage, reward, template, engine,
 trajectory selection) and missing files. Unknown keys are caught earlier, by the locked
 ConfigDict. The mesh is checked by `exgrpo_jax.sharding` when it is built.
+
+`check_resume(saved, config)` refuses, by key, a resumed run whose config changed a value
+the checkpoint cannot follow (K, the model, the question set); every other change is
+honoured from the resumed step on.
 """
 
 import os
@@ -17,6 +21,11 @@ from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
 from exgrpo_jax.rewards import graders
+from exgrpo_jax.training import phase
+
+# What a checkpoint's buffer, params and question stream were built for (prefixes).
+RESUME_FIXED = ("rollout.k", "model.path", "model.random_init", "model.arch.",
+                "data.train_path", "data.limit", "data.max_prompt_tokens")
 
 # The model config also accepts float16; training is supported in these two.
 DTYPES = ("float32", "bfloat16")
@@ -88,6 +97,7 @@ def check(c) -> None:
     _known("reward.name", c.reward.name, graders.REWARDS.names())
   _range(c, "reward.num_workers", 0)
   _range(c, "reward.timeout_s", 0, low_open=True)
+  _range(c, "reward.correct_threshold")
 
   a = c.algo
   _known("algo.loss", a.loss, losses.POLICY_LOSSES.names())
@@ -100,11 +110,17 @@ def check(c) -> None:
   _range(c, "algo.shaping_gamma", 0, low_open=True, allow_none=True)
   _range(c, "algo.norm_len", 0, low_open=True)
   _range(c, "algo.entropy_coeff", 0)
+  _known("algo.old_logp_source", a.old_logp_source, phase.OLD_LOGP_SOURCES)
+  _require(a.old_logp_source != "rollout" or r.temperature == 1, "algo.old_logp_source",
+           a.old_logp_source, f"needs rollout.temperature=1, not {r.temperature} (the "
+           "rollout's log-probs are of the temperature-scaled distribution)")
 
-  _require(c.replay.k == r.k, "replay.k", c.replay.k, f"must equal rollout.k={r.k}")
+  _require(c.replay.k == r.k, "replay.k", c.replay.k,
+           f"must equal rollout.k={r.k} (it is derived from it; override rollout.k)")
   _range(c, "replay.mu", 0, 1)
-  _range(c, "replay.sigma", 0, low_open=True)
+  _range(c, "replay.sigma", 0, low_open=True, allow_none=True)
   _known("replay.weighting", c.replay.weighting, buckets.WEIGHTINGS)
+  _known("replay.bucketing", c.replay.bucketing, buckets.BUCKETINGS)
   _range(c, "replay.max_per_question", 0)
   _range(c, "replay.max_total", 0)
 
@@ -138,3 +154,24 @@ def check(c) -> None:
     _range(c, "eval.temperature", 0)
     _range(c, "eval.max_new_tokens", 0, low_open=True)
     _range(c, "eval.n", 1)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def check_resume(saved: dict, c) -> None:
+  """Raises ConfigError if `c` changes a RESUME_FIXED key of the checkpoint's `saved` config."""
+  before, now = _flatten(saved), _flatten(c.to_dict())
+  for key in sorted(now):
+    fixed = any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_FIXED)
+    if fixed and key in before and before[key] != now[key]:
+      raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint being resumed was "
+                        f"trained with {before[key]!r}; resume with that value or start a "
+                        "new workdir")

@@ -1,10 +1,9 @@
 """Replay-side steps of a training step: choose replayed questions and trajectories.
 
-SPEC section 2, steps 1-3: after the delayed start, n_exp = min(floor(rho * B),
-|candidates|) questions come from the buffer (Gaussian over buckets); for each, every
-stored correct trajectory is scored under the CURRENT policy (mean full-vocabulary
-entropy over its tokens, EOS included, temperature 1), and the configured rule picks
-one. A question with a single candidate needs no scoring (unless the no-IS ablation
+SPEC section 2, steps 2-3 (n_exp itself is `phase.num_replayed`): for each question
+sampled from the buffer (Gaussian over buckets), every stored correct trajectory is
+scored under the CURRENT policy (mean full-vocabulary entropy over its tokens, EOS
+included, temperature 1), and the configured rule picks one. A question with a single candidate needs no scoring (unless the no-IS ablation
 wants its current log-probs), and the scoring batches shrink to the next power of two
 of the rows left, so replay costs a forward pass only where there is a choice to make.
 """
@@ -27,10 +26,6 @@ class Replay:
   behaviour_logp: np.ndarray    # recorded at collection
   current_logp: np.ndarray | None  # under the current policy (None: not scored)
   num_candidates: int
-
-
-def num_replayed(batch_questions: int, rho: float, num_candidates: int) -> int:
-  return min(int(np.floor(rho * batch_questions)), num_candidates)
 
 
 def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: str,

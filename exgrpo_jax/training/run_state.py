@@ -1,5 +1,8 @@
 """Everything a run carries between steps, built fresh or restored from a checkpoint.
 
+Model config and weights, optimizer state, the replay buffer, the question stream and
+the step counters; rewards and validation live in `grading`, the learner in `actor`.
+
 Resume order: (1) the latest checkpoint in `<workdir>/checkpoints` (params, optimizer,
 step, buffer, data stream, delayed-start flag; PRNG keys are derived from the seed and
 the step, so they need no storage); (2) `config.model.path` (or random weights for
@@ -20,13 +23,13 @@ import jax
 from exgrpo_jax import checkpointing
 from exgrpo_jax import data
 from exgrpo_jax import distributed
-from exgrpo_jax import evaluation
 from exgrpo_jax import models
 from exgrpo_jax import rewards
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.models import loading
 from exgrpo_jax.replay import buffer as buffer_lib
+from exgrpo_jax.training import config_check
 from exgrpo_jax.training import learner
 
 
@@ -39,7 +42,7 @@ def _model_config_for_random_init(config, tokenizer) -> models.ModelConfig:
 
 
 class RunState:
-  """Model, optimizer state, replay buffer, question stream, reward pool and counters.
+  """Model, optimizer state, replay buffer, question stream and counters.
 
   `params` and `opt_state` are abstract (sharded ShapeDtypeStructs) until
   `init_weights()` or `restore(step)`; `create_or_restore` calls one of them.
@@ -78,22 +81,20 @@ class RunState:
                                        self.opt_shardings)
 
     # Custom rewards register themselves on import; the data loader checks reward names.
-    plugins = rewards.load_plugins(config.reward.plugins)
+    rewards.load_plugins(config.reward.plugins)
     self.prompts, self.data_stats = self._load_prompts(config.data.train_path,
                                                        config.data.limit)
     self._by_uid = {p.question.uid: p for p in self.prompts}
     self.stream = data.QuestionStream([p.question for p in self.prompts],
                                       seed=config.train.seed)
-    self.buffer = buffer_lib.ExperienceBuffer(
-        dict(config.replay.to_dict(), vocab_size=self.model_cfg.vocab_size),
-        seed=config.train.seed)
-    self.reward_pool = rewards.RewardPool(num_workers=config.reward.num_workers,
-                                          timeout_s=config.reward.timeout_s,
-                                          plugin_modules=plugins)
+    self.buffer = buffer_lib.ExperienceBuffer(self._buffer_config(), seed=config.train.seed)
     self.sampling_config = sampling.SamplingConfig(
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
         top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
-    self._eval_questions = None
+
+  def _buffer_config(self) -> dict:
+    return dict(self.config.replay.to_dict(), vocab_size=self.model_cfg.vocab_size,
+                correct_threshold=self.config.reward.correct_threshold)
 
   def _load_prompts(self, path: str, limit: int):
     """Questions of `path` rendered with the configured template (too long: dropped)."""
@@ -132,47 +133,8 @@ class RunState:
       self.params = loading.load_params(self._hf_dir, self.model_cfg, self.param_shardings)
     self.opt_state = sharding.init_optimizer(self._tx, self.params, self.opt_shardings)
 
-  # --- per-step helpers ---------------------------------------------------------------------
-
-  def prompt_ids(self, uid: int) -> list[int]:
-    return list(self._by_uid[uid].ids)
-
-  def score(self, qids, k: int, texts: list[str]):
-    """Rewards [len(qids) * k] for group-ordered `texts`, and the pool's stats.
-
-    Every process grades; process 0's rewards are used everywhere, so a timeout on one
-    host cannot make the processes' buffers diverge.
-    """
-    items = []
-    for i, text in enumerate(texts):
-      prompt = self._by_uid[qids[i // k]]
-      items.append(rewards.RewardItem(text, prompt.question.ground_truth,
-                                      prompt.question.reward_name, prompt.think_gate))
-    rewards_N, stats = self.reward_pool.score(items)
-    return distributed.from_primary(rewards_N), stats
-
-  def evaluate(self, engine) -> dict:
-    """Validation accuracy on `eval.path`, per data source and averaged (val/* metrics)."""
-    cfg = self.config.eval
-    if not cfg.path:
-      return {}
-    if self._eval_questions is None:
-      self._eval_questions = data.load_questions(
-          cfg.path, skip_bad_rows=self.config.data.skip_bad_rows, limit=cfg.limit,
-          reward_name=self.config.reward.name).questions
-    # Same template (system prompt included) and length limit as the training prompts.
-    options = evaluation.EvalOptions(template=self.config.data.template, remove_system=False,
-                                     max_prompt_tokens=self.config.data.max_prompt_tokens,
-                                     n=cfg.n)
-    result = evaluation.evaluate(
-        engine, self.params, self.tokenizer, self._eval_questions,
-        sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
-                                max_new_tokens=cfg.max_new_tokens),
-        self.reward_pool, jax.random.key(self.config.train.seed), options)
-    metrics = {f"val/test_score/{src}": v["avg@k"] for src, v in result["per_source"].items()}
-    metrics["val/avg_score"] = result["overall"]["avg@k"]
-    metrics["val/response_length"] = result["overall"]["mean_response_length"]
-    return metrics
+  def prompt(self, uid: int) -> data.Prompt:
+    return self._by_uid[uid]
 
   # --- checkpoints --------------------------------------------------------------------------
 
@@ -198,16 +160,22 @@ class RunState:
     distributed.check_same_on_all_processes(hex_digest, f"host state at step {self.step}")
 
   def restore(self, step: int) -> None:
-    """Loads checkpoint `step`; params and optimizer state are read into their shards."""
+    """Loads checkpoint `step`; params and optimizer state are read into their shards.
+
+    The run's config applies from here on (the buffer's sampling and caps included);
+    changes the checkpoint cannot follow raise config_check.ConfigError, before any
+    array is read.
+    """
+    meta = self.store.restore_meta(step)
+    config_check.check_resume(meta["config"], self.config)
     params, opt, host, meta = self.store.restore(
         step, sharding.abstract(self.params, self.param_shardings),
         sharding.abstract(self.opt_state, self.opt_shardings))
     self.params, self.opt_state = params, opt
-    self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host)
+    self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host, self._buffer_config())
     self.stream.load_state_dict(meta["stream"])
     self.step = int(meta["step"])
-    self.replay_started = bool(meta["replay_started"])
+    self.replay_started = bool(meta["replay_started"]) or self.replay_started
 
   def close(self) -> None:
-    self.reward_pool.close()
     self.store.close()

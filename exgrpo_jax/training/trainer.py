@@ -3,15 +3,18 @@
   trainer = Trainer(config, workdir)      # resumes from <workdir>/checkpoints if present
   trainer.run()
 
-Per step: compose the batch (fresh questions + Gaussian-sampled replays after the delayed
-start), pick each replay's lowest-entropy trajectory under the current policy, roll out
-K fresh samples (K-1 for replayed questions), verify rewards in worker processes, compute
-group advantages, update the buffer (retire K/K, bucket and store 1..K-1), then take
-`optim.mini_batches` jitted AdamW steps. Metrics go to JSONL/TensorBoard, checkpoints are
-written every `train.checkpoint_every` steps and on SIGTERM, and the run evaluates on
-`eval.path` every `eval.every` steps.
+A step is six phases over a list of `groups.Group` records: compose the batch (steps
+1-3: fresh questions plus Gaussian-sampled replays after the delayed start, each with
+its lowest-entropy stored trajectory under the current policy), roll out (4: K fresh
+samples, K-1 for a replayed question; pi_old from the rollout or recomputed, see
+`phase.recompute_old_logps`), grade (5-6: rewards in worker processes, group
+advantages), remember (7: retire K/K, bucket and store 1..K-1), learn (8:
+`optim.mini_batches` jitted AdamW steps) and update the phase (9: the delayed start).
+Metrics go to JSONL/TensorBoard, checkpoints are written every `train.checkpoint_every`
+steps and on SIGTERM, and the run evaluates on `eval.path` every `eval.every` steps.
 """
 
+import contextlib
 import os
 import signal
 import time
@@ -23,16 +26,25 @@ from exgrpo_jax import advantages
 from exgrpo_jax import distributed
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.replay import buckets
+from exgrpo_jax.training import actor as actor_lib
 from exgrpo_jax.training import config_check
-from exgrpo_jax.training import experience
-from exgrpo_jax.training import learner
-from exgrpo_jax.training import padding
+from exgrpo_jax.training import grading
+from exgrpo_jax.training import groups as groups_lib
+from exgrpo_jax.training import phase
 from exgrpo_jax.training import run_log
 from exgrpo_jax.training import run_state
 
 
+@contextlib.contextmanager
+def _timed(timings: dict, name: str):
+  start = time.time()
+  yield
+  timings[name] = time.time() - start
+
+
 class Trainer:
-  """Owns the run: model, optimizer, buffer, data stream, rollout engine, rewards."""
+  """Owns the run: state, rollout engine, grader and the bound learner."""
 
   def __init__(self, config, workdir: str, engine=None):
     config_check.check(config)
@@ -45,106 +57,145 @@ class Trainer:
                if config.rollout.engine == "jax" else {})
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
+    self.grader = grading.Grader(config)
+    self.actor = actor_lib.Actor(config, st.model_cfg, st.pad_id)
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step)
     self._stop_requested = False
-    self._algo = learner.frozen(config.algo)
-    self._optim = learner.frozen(config.optim)
 
   # --- one training step --------------------------------------------------------------------
 
   def train_step(self) -> dict:
-    cfg, st = self.config, self.state
-    k, batch_q = cfg.rollout.k, cfg.train.batch_questions
+    st = self.state
     timings, t_step = {}, time.time()
     step = st.step + 1
-    rng = np.random.default_rng([cfg.train.seed, step])
-
-    # 1-3. Batch composition and trajectory selection.
-    t = time.time()
-    n_exp = 0
-    if st.replay_started and cfg.algo.rho > 0:
-      n_exp = experience.num_replayed(batch_q, cfg.algo.rho, st.buffer.num_candidates)
-    replay_qids = st.buffer.sample_questions(n_exp) if n_exp else []
-    replays = experience.choose_replays(
-        st.buffer, replay_qids, st.prompt_ids, cfg=st.model_cfg, params=st.params,
-        rule=cfg.algo.trajectory_selection, max_new_tokens=cfg.rollout.max_new_tokens,
-        batch_size=cfg.optim.micro_batch_size, pad_id=st.pad_id,
-        chunk=cfg.train.logprob_chunk, rng=rng,
-        need_current_logp=not cfg.algo.is_correction)
-    fresh_qids = [q.uid for q in st.stream.next_batch(batch_q - len(replays))]
-    timings["select"] = time.time() - t
-
-    # 4. Rollout: K fresh samples per fresh question, K-1 per replayed question.
-    t = time.time()
-    qids = list(fresh_qids) + [r.question_id for r in replays]
-    counts = [k] * len(fresh_qids) + [k - 1] * len(replays)
-    key = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-    out = self.engine.generate([st.prompt_ids(q) for q in qids], counts, st.params, key,
-                               st.sampling_config)
-    timings["gen"] = time.time() - t
-
-    # Groups: [Q][K] members (tokens, old log-probs, is_replay); a replay goes last.
-    groups, texts = [], []
-    row = 0
-    for qi, q in enumerate(qids):
-      members = []
-      for _ in range(counts[qi]):
-        n = int(out.lengths_N[row])
-        members.append((out.tokens_NxT[row, :n], out.logprobs_NxT[row, :n], False))
-        texts.append(out.texts[row])
-        row += 1
-      if qi >= len(fresh_qids):
-        rep = replays[qi - len(fresh_qids)]
-        old = rep.behaviour_logp if cfg.algo.is_correction else rep.current_logp
-        members.append((rep.tokens, old, True))
-        texts.append(st.tokenizer.decode(rep.tokens, skip_special_tokens=True))
-      groups.append(members)
-
-    # 5. Rewards (the replayed trajectory is re-scored with its group).
-    t = time.time()
-    rewards_N, reward_stats = st.score(qids, k, texts)
-    rewards_QxK = rewards_N.reshape(len(qids), k)
-    timings["reward"] = time.time() - t
-
-    # 6. Advantages.
-    adv_QxK = np.asarray(advantages.ADVANTAGES.get(cfg.algo.advantage)(rewards_QxK))
-
-    # 7. Buffer update; behaviour log-probs are the rollout's (temperature 1).
-    t = time.time()
-    trajectories = [[(m[0], m[1]) for m in g] for g in groups]
-    summary = st.buffer.update(qids, rewards_QxK, trajectories, step,
-                               collect=st.replay_started)
-    retired = st.buffer.retired
-    st.stream.retire(sorted({q for q in qids if q in retired}))
-    timings["buffer"] = time.time() - t
-
-    # 8. Learner.
-    t = time.time()
-    if not self._old_logps_from_rollout():
-      groups = self._recompute_old_logps(groups, qids)
-    timings["old_logprobs"] = time.time() - t
-    t = time.time()
-    actor = self._update(groups, qids, adv_QxK, rng)
-    timings["update_actor"] = time.time() - t
-
-    # 9. Delayed start.
-    accuracy = float(rewards_QxK.mean())
-    if not st.replay_started and accuracy > cfg.algo.delayed_start:
-      st.replay_started = True
+    rng = np.random.default_rng([self.config.train.seed, step])
+    with _timed(timings, "select"):
+      fresh, replays = self.compose(rng)
+    with _timed(timings, "gen"):
+      groups, out = self.roll_out(fresh, replays, step)
+    with _timed(timings, "old_logprobs"):
+      self.old_logps(groups)
+    with _timed(timings, "reward"):
+      reward_stats = self.grade(groups)
+    with _timed(timings, "buffer"):
+      summary = self.remember(groups, step)
+    with _timed(timings, "update_actor"):
+      actor = self.learn(groups, rng)
+    self.update_phase(float(groups_lib.rewards_QxK(groups).mean()))
     st.step = step
     timings["step"] = time.time() - t_step
+    return self._metrics(groups, replays, out, summary, reward_stats, actor, timings)
 
-    lengths = np.array([len(m[0]) for g in groups for m in g if not m[2]])
-    is_replay_N = np.array([m[2] for g in groups for m in g])
+  def compose(self, rng: np.random.Generator):
+    """Steps 1-3: fresh prompts and the replays (question + chosen trajectory)."""
+    cfg, st = self.config, self.state
+    batch_q = cfg.train.batch_questions
+    n_exp = phase.num_replayed(st.replay_started, cfg.algo.rho, batch_q,
+                               st.buffer.num_candidates)
+    replay_prompts = [st.prompt(int(q)) for q in st.buffer.sample_questions(n_exp)]
+    replays = self.actor.choose_replays(st.params, st.buffer, replay_prompts, rng)
+    fresh = [st.prompt(q.uid) for q in st.stream.next_batch(batch_q - len(replays))]
+    return fresh, list(zip(replay_prompts, replays))
+
+  def roll_out(self, fresh, replays, step: int):
+    """Step 4: K samples per fresh prompt, K-1 per replayed one plus its trajectory."""
+    cfg, st = self.config, self.state
+    k = cfg.rollout.k
+    prompts = fresh + [p for p, _ in replays]
+    counts = [k] * len(fresh) + [k - 1] * len(replays)
+    key = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
+    out = self.engine.generate([list(p.ids) for p in prompts], counts, st.params, key,
+                               st.sampling_config)
+    groups, row = [], 0
+    for prompt, count in zip(prompts, counts):
+      members = []
+      for _ in range(count):
+        n = int(out.lengths_N[row])
+        members.append(groups_lib.Response(out.tokens_NxT[row, :n], out.logprobs_NxT[row, :n],
+                                           out.texts[row],
+                                           truncated=bool(out.truncated_N[row])))
+        row += 1
+      groups.append(groups_lib.Group(prompt, members))
+    for group, (_, rep) in zip(groups[len(fresh):], replays):
+      old = rep.behaviour_logp if cfg.algo.is_correction else rep.current_logp
+      group.responses.append(groups_lib.Response(
+          rep.tokens, old, st.tokenizer.decode(rep.tokens, skip_special_tokens=True),
+          is_replay=True))
+    return groups, out
+
+  def old_logps(self, groups) -> None:
+    """pi_old of the fresh responses (also what the buffer stores), when recomputed.
+
+    Under `phase.recompute_old_logps` the learner's forward pass at temperature 1 under
+    the step-start params replaces the rollout's log-probs.
+    """
+    if not phase.recompute_old_logps(self.config):
+      return
+    fresh = [(g.prompt_ids, r) for g in groups for r in g.responses if not r.is_replay]
+    logps = self.actor.score(self.state.params, [(p, r.tokens) for p, r in fresh])
+    for (_, r), logp in zip(fresh, logps):
+      r.old_logp = logp
+
+  def grade(self, groups) -> dict:
+    """Steps 5-6: rewards (replayed members re-scored with their group), advantages."""
+    stats = self.grader.grade(groups)
+    adv_QxK = np.asarray(advantages.ADVANTAGES.get(self.config.algo.advantage)(
+        groups_lib.rewards_QxK(groups)))
+    for g, adv_K in zip(groups, adv_QxK):
+      g.advantages = adv_K
+    return stats
+
+  def remember(self, groups, step: int) -> dict:
+    """Step 7: retire K/K questions; after the delayed start, bucket and store 1..K-1.
+
+    The on-policy baseline (rho = 0) never replays, so it neither stores nor retires:
+    every question stays in the fresh stream, as in plain Dr.GRPO.
+    """
+    cfg, st = self.config, self.state
+    if cfg.algo.rho == 0:
+      return dict(retired=0, stored=0, duplicates=0, evicted=0)
+    rewards_QxK = groups_lib.rewards_QxK(groups)
+    buckets_Q = (buckets.std_buckets(rewards_QxK) if cfg.replay.bucketing == "reward_std"
+                 else None)
+    qids = [g.question_id for g in groups]
+    summary = st.buffer.update(qids, rewards_QxK,
+                               [[(r.tokens, r.old_logp) for r in g.responses] for g in groups],
+                               step, collect=st.replay_started, buckets_Q=buckets_Q)
+    retired = st.buffer.retired
+    st.stream.retire(sorted({q for q in qids if q in retired}))
+    return summary
+
+  def learn(self, groups, rng: np.random.Generator) -> dict:
+    """Step 8: `optim.mini_batches` optimizer steps over the groups' responses."""
+    st = self.state
+    st.params, st.opt_state, metrics = self.actor.update(
+        st.params, st.opt_state, groups,
+        phase.use_clip(st.replay_started, self.config.algo.clip_after_delayed_start), rng)
+    return metrics
+
+  def update_phase(self, accuracy: float) -> None:
+    """Step 9: replay switches on for good once batch accuracy exceeds the threshold."""
+    st = self.state
+    st.replay_started = phase.replay_started(st.replay_started, accuracy,
+                                             self.config.algo.delayed_start)
+
+  def _metrics(self, groups, replays, out, summary, reward_stats, actor, timings) -> dict:
+    st = self.state
+    rewards_QxK = groups_lib.rewards_QxK(groups)
+    members = groups_lib.responses(groups)
+    rewards_N = rewards_QxK.reshape(-1)
+    is_replay_N = np.array([r.is_replay for r in members])
+    lengths = np.array([len(r.tokens) for r in members if not r.is_replay])
+    correct_QxK = rewards_QxK >= self.config.reward.correct_threshold
     metrics = {
-        "batch/solved": accuracy,
+        "batch/solved": float(rewards_QxK.mean()),
         # Without the replayed members, which are correct by construction.
         "batch/fresh_solved": float(rewards_N[~is_replay_N].mean()),
-        "batch/solve_all": float((rewards_QxK.min(1) >= 1).mean()),
-        "batch/solve_none": float((rewards_QxK.max(1) <= 0).mean()),
+        "batch/solve_all": float(correct_QxK.all(1).mean()),
+        "batch/solve_none": float((~correct_QxK).all(1).mean()),
         "batch/replay_started": float(st.replay_started),
         "experience/batch_size": len(replays),
-        "experience/picked_candidates_mean": (np.mean([r.num_candidates for r in replays])
+        "experience/picked_candidates_mean": (np.mean([r.num_candidates for _, r in replays])
                                               if replays else 0.0),
         "experience/newly_retired": summary["retired"],
         "experience/stored": summary["stored"],
@@ -159,67 +210,6 @@ class Trainer:
     metrics.update({f"timing_s/{k_}": v for k_, v in timings.items()})
     metrics.update({f"actor/{k_}": v for k_, v in actor.items()})
     return metrics
-
-  def _old_logps_from_rollout(self) -> bool:
-    """Rollout log-probs are pi_old exactly when sampling is the plain softmax."""
-    r = self.config.rollout
-    return r.temperature == 1.0 and r.top_p >= 1.0 and r.top_k == 0
-
-  def _recompute_old_logps(self, groups, qids):
-    """pi_old of fresh responses under the current params (non-plain sampling)."""
-    st, cfg = self.state, self.config
-    fresh = [(gi, mi) for gi, g in enumerate(groups) for mi, m in enumerate(g) if not m[2]]
-    rows = [(st.prompt_ids(qids[gi]), groups[gi][mi][0], None) for gi, mi in fresh]
-    logp, _, mask = experience.score_rows(rows, cfg=st.model_cfg, params=st.params,
-                                          max_new_tokens=cfg.rollout.max_new_tokens,
-                                          batch_size=cfg.optim.micro_batch_size,
-                                          pad_id=st.pad_id, chunk=cfg.train.logprob_chunk)
-    groups = [list(g) for g in groups]
-    for (gi, mi), lp, m in zip(fresh, logp, mask):
-      tokens, _, is_replay = groups[gi][mi]
-      groups[gi][mi] = (tokens, lp[:int(m.sum())], is_replay)
-    return groups
-
-  def _update(self, groups, qids, adv_QxK, rng) -> dict:
-    """Splits the B*K responses into mini-batches and takes one optimizer step each."""
-    cfg, st = self.config, self.state
-    rows = [(st.prompt_ids(qids[gi]), m[0], m[1], adv_QxK[gi, mi], m[2])
-            for gi, g in enumerate(groups) for mi, m in enumerate(g)]
-    order = rng.permutation(len(rows))
-    prompt_len = padding.prompt_bucket(max(len(r[0]) for r in rows))
-    resp_len = cfg.rollout.max_new_tokens
-    micro = cfg.optim.micro_batch_size
-    per_mini = -(-len(rows) // cfg.optim.mini_batches)
-    per_mini = -(-per_mini // micro) * micro
-    metrics = []
-    for part in np.array_split(order, cfg.optim.mini_batches):
-      chosen = [rows[i] for i in part]
-      tokens, valid, mask = padding.pack([r[0] for r in chosen], [r[1] for r in chosen],
-                                         prompt_len, resp_len, st.pad_id)
-      old = np.zeros(mask.shape, np.float32)
-      for i, r in enumerate(chosen):
-        old[i, :len(r[2])] = r[2][:resp_len]
-      arrays = dict(
-          tokens_MxBxS=padding.pad_rows(tokens, per_mini, st.pad_id),
-          valid_MxBxS=padding.pad_rows(valid, per_mini, False),
-          mask_MxBxR=padding.pad_rows(mask, per_mini, False),
-          old_logp_MxBxR=padding.pad_rows(old, per_mini, 0.0),
-          adv_MxB=padding.pad_rows(np.array([r[3] for r in chosen], np.float32), per_mini),
-          is_replay_MxB=padding.pad_rows(np.array([r[4] for r in chosen]), per_mini, False))
-      batch = learner.TrainBatch(prompt_len=prompt_len, **{
-          name: padding.to_micro_batches(a, micro) for name, a in arrays.items()})
-      st.params, st.opt_state, m = learner.train_step(
-          st.params, st.opt_state, batch, cfg=st.model_cfg, algo=self._algo,
-          optim=self._optim, use_clip=(not st.replay_started
-                                       or cfg.algo.clip_after_delayed_start),
-          chunk=cfg.train.logprob_chunk)
-      metrics.append(m)
-    # One device->host transfer per step, after both optimizer steps are queued.
-    metrics = jax.device_get(metrics)
-    merged = {name: float(np.mean([m[name] for m in metrics])) for name in metrics[0]}
-    merged["skipped"] = float(np.sum([m["skipped"] for m in metrics]))
-    merged["lr"] = cfg.optim.lr
-    return merged
 
   # --- the loop -----------------------------------------------------------------------------
 
@@ -252,7 +242,7 @@ class Trainer:
       while st.step < cfg.train.steps and not self._stop_on_all_processes():
         metrics = self.train_step()
         if cfg.eval.every and st.step % cfg.eval.every == 0:
-          metrics.update(st.evaluate(self.engine))
+          metrics.update(self.grader.validate(self.engine, st.params, st.tokenizer))
         self.log.write(st.step, metrics)
         if st.step % cfg.train.log_every == 0:
           self.log.progress(st.step, metrics)
@@ -267,5 +257,6 @@ class Trainer:
     finally:
       signal.signal(signal.SIGTERM, previous)
       self.log.close()
+      self.grader.close()
       st.close()
     return metrics

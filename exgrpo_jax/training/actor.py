@@ -1,0 +1,93 @@
+"""The learner bound once to a run: model config, loss and optimizer settings, lengths.
+
+  actor = Actor(config, model_cfg, pad_id)
+  replays = actor.choose_replays(params, buffer, prompts, rng)          # steps 2-3
+  logp_N = actor.score(params, [(prompt_ids, tokens), ...])               # pi_old
+  params, opt_state, metrics = actor.update(params, opt_state, groups, use_clip, rng)
+
+The jitted step itself is `learner.train_step` (compiled once per parameter sharding).
+"""
+
+import jax
+import numpy as np
+
+from exgrpo_jax.training import experience
+from exgrpo_jax.training import learner
+from exgrpo_jax.training import padding
+
+
+class Actor:
+  """Scores responses and takes the optimizer steps of a training step (SPEC step 8)."""
+
+  def __init__(self, config, model_cfg, pad_id: int):
+    self.model_cfg = model_cfg
+    self.pad_id = pad_id
+    self.algo = learner.frozen(config.algo)
+    self.optim = learner.frozen(config.optim)
+    self.lr = config.optim.lr
+    self.mini_batches = config.optim.mini_batches
+    self.micro_batch_size = config.optim.micro_batch_size
+    self.max_new_tokens = config.rollout.max_new_tokens
+    self.chunk = config.train.logprob_chunk
+    self.trajectory_selection = config.algo.trajectory_selection
+
+  def choose_replays(self, params, buffer, prompts, rng) -> list[experience.Replay]:
+    """The trajectory to replay for each of `prompts` (buffered questions), by rule."""
+    by_uid = {p.question.uid: list(p.ids) for p in prompts}
+    return experience.choose_replays(
+        buffer, list(by_uid), by_uid.__getitem__, cfg=self.model_cfg, params=params,
+        rule=self.trajectory_selection, max_new_tokens=self.max_new_tokens,
+        batch_size=self.micro_batch_size, pad_id=self.pad_id, chunk=self.chunk, rng=rng,
+        need_current_logp=not self.algo.is_correction)
+
+  def score(self, params, rows) -> list[np.ndarray]:
+    """Temperature-1 log-probs of each (prompt ids, response tokens) row's tokens."""
+    logp, _, mask = experience.score_rows(
+        [(p, r, None) for p, r in rows], cfg=self.model_cfg, params=params,
+        max_new_tokens=self.max_new_tokens, batch_size=self.micro_batch_size,
+        pad_id=self.pad_id, chunk=self.chunk)
+    return [lp[:int(m.sum())] for lp, m in zip(logp, mask)]
+
+  def update(self, params, opt_state, groups, use_clip: bool, rng: np.random.Generator):
+    """Splits the groups' B*K responses into mini-batches, one optimizer step each.
+
+    Returns (params, opt_state, metrics averaged over the steps; `skipped` summed).
+    """
+    rows = [(g.prompt_ids, r, adv) for g in groups
+            for r, adv in zip(g.responses, g.advantages)]
+    order = rng.permutation(len(rows))
+    prompt_len = padding.prompt_bucket(max(len(r[0]) for r in rows))
+    resp_len = self.max_new_tokens
+    micro = self.micro_batch_size
+    per_mini = -(-len(rows) // self.mini_batches)
+    per_mini = -(-per_mini // micro) * micro
+    metrics = []
+    for part in np.array_split(order, self.mini_batches):
+      chosen = [rows[i] for i in part]
+      tokens, valid, mask = padding.pack([p for p, _, _ in chosen],
+                                         [r.tokens for _, r, _ in chosen],
+                                         prompt_len, resp_len, self.pad_id)
+      old = np.zeros(mask.shape, np.float32)
+      for i, (_, r, _) in enumerate(chosen):
+        old[i, :len(r.old_logp)] = r.old_logp[:resp_len]
+      arrays = dict(
+          tokens_MxBxS=padding.pad_rows(tokens, per_mini, self.pad_id),
+          valid_MxBxS=padding.pad_rows(valid, per_mini, False),
+          mask_MxBxR=padding.pad_rows(mask, per_mini, False),
+          old_logp_MxBxR=padding.pad_rows(old, per_mini, 0.0),
+          adv_MxB=padding.pad_rows(np.array([a for _, _, a in chosen], np.float32),
+                                   per_mini),
+          is_replay_MxB=padding.pad_rows(np.array([r.is_replay for _, r, _ in chosen]),
+                                         per_mini, False))
+      batch = learner.TrainBatch(prompt_len=prompt_len, **{
+          name: padding.to_micro_batches(a, micro) for name, a in arrays.items()})
+      params, opt_state, m = learner.train_step(
+          params, opt_state, batch, cfg=self.model_cfg, algo=self.algo, optim=self.optim,
+          use_clip=use_clip, chunk=self.chunk)
+      metrics.append(m)
+    # One device->host transfer per step, after both optimizer steps are queued.
+    metrics = jax.device_get(metrics)
+    merged = {name: float(np.mean([m[name] for m in metrics])) for name in metrics[0]}
+    merged["skipped"] = float(np.sum([m["skipped"] for m in metrics]))
+    merged["lr"] = self.lr
+    return params, opt_state, merged

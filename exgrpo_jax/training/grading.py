@@ -1,0 +1,69 @@
+"""Rewards of a run: grading training groups (SPEC section 2, step 5) and validation.
+
+  grader = Grader(config)
+  stats = grader.grade(groups)              # sets every group's rewards [K]
+  metrics = grader.validate(engine, params, tokenizer)   # val/* metrics, eval.path
+
+Verification runs in the reward pool's worker processes. Every process grades; process
+0's rewards are used everywhere, so a timeout on one host cannot make the processes'
+buffers diverge.
+"""
+
+import jax
+import numpy as np
+
+from exgrpo_jax import data
+from exgrpo_jax import distributed
+from exgrpo_jax import evaluation
+from exgrpo_jax import rewards
+from exgrpo_jax import sampling
+
+
+class Grader:
+  """The reward pool, and the validation questions (loaded on first use)."""
+
+  def __init__(self, config):
+    self.config = config
+    self.pool = rewards.RewardPool(num_workers=config.reward.num_workers,
+                                   timeout_s=config.reward.timeout_s,
+                                   plugin_modules=rewards.load_plugins(config.reward.plugins))
+    self._eval_questions = None
+
+  def grade(self, groups) -> dict:
+    """Scores every response (a replayed one with its group); returns the pool's stats."""
+    items = [rewards.RewardItem(r.text, g.prompt.question.ground_truth,
+                                g.prompt.question.reward_name, g.prompt.think_gate)
+             for g in groups for r in g.responses]
+    rewards_N, stats = self.pool.score(items)
+    rewards_N = np.asarray(distributed.from_primary(rewards_N))
+    start = 0
+    for g in groups:
+      g.rewards = rewards_N[start:start + len(g.responses)]
+      start += len(g.responses)
+    return stats
+
+  def validate(self, engine, params, tokenizer) -> dict:
+    """Validation accuracy on `eval.path`, per data source and averaged (val/* metrics)."""
+    config, cfg = self.config, self.config.eval
+    if not cfg.path:
+      return {}
+    if self._eval_questions is None:
+      self._eval_questions = data.load_questions(
+          cfg.path, skip_bad_rows=config.data.skip_bad_rows, limit=cfg.limit,
+          reward_name=config.reward.name).questions
+    # Same template (system prompt included) and length limit as the training prompts.
+    options = evaluation.EvalOptions(template=config.data.template, remove_system=False,
+                                     max_prompt_tokens=config.data.max_prompt_tokens,
+                                     n=cfg.n)
+    result = evaluation.evaluate(
+        engine, params, tokenizer, self._eval_questions,
+        sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
+                                max_new_tokens=cfg.max_new_tokens),
+        self.pool, jax.random.key(config.train.seed), options)
+    metrics = {f"val/test_score/{src}": v["avg@k"] for src, v in result["per_source"].items()}
+    metrics["val/avg_score"] = result["overall"]["avg@k"]
+    metrics["val/response_length"] = result["overall"]["mean_response_length"]
+    return metrics
+
+  def close(self) -> None:
+    self.pool.close()
