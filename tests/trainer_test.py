@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from exgrpo_jax.sampling import outputs
+from exgrpo_jax.training import config_check
 from exgrpo_jax.training import learner
 from exgrpo_jax.training import padding
 from exgrpo_jax.training import run_log
@@ -60,10 +61,13 @@ class ScriptedEngine:
                             st.pad_id)
 
 
-def run(workdir, steps, variant="exgrpo"):
+def run(workdir, steps, variant="exgrpo", **overrides):
   config = tiny.get_config(variant)
   config.train.steps = steps
   config.train.checkpoint_every = 1
+  for key, value in overrides.items():
+    section, name = key.split("__")
+    config[section][name] = value
   engine = ScriptedEngine()
   trainer = trainer_lib.Trainer(config, str(workdir), engine=engine)
   engine.state = trainer.state
@@ -94,10 +98,15 @@ def test_replay_path_is_exercised(exgrpo_run):
                                r["batch/fresh_solved"] * (n - n_replay) + n_replay)
 
 
-def test_onpolicy_never_replays(tmp_path):
-  _, rows = run(tmp_path, steps=2, variant="onpolicy")
+def test_onpolicy_never_replays_stores_or_retires(tmp_path):
+  trainer, rows = run(tmp_path, steps=2, variant="onpolicy")
   assert all(r["experience/batch_size"] == 0 and r["actor/off_tokens"] == 0 for r in rows)
   assert all(r["batch/fresh_solved"] == r["batch/solved"] for r in rows)
+  # The script solves each batch's first question 4/4; Dr.GRPO keeps it in the stream.
+  assert all(r["batch/solve_all"] > 0 for r in rows)
+  assert trainer.state.buffer.stats()["trajectories"] == 0
+  assert not trainer.state.buffer.retired
+  assert not trainer.state.stream.state_dict()["retired"]
 
 
 def test_resume_continues_exactly(exgrpo_run, tmp_path):
@@ -111,6 +120,39 @@ def test_resume_continues_exactly(exgrpo_run, tmp_path):
   for a, b in zip(jax.tree.leaves(resumed_trainer.state.params),
                   jax.tree.leaves(reference_trainer.state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+COMPARED = ("batch/solved", "batch/replay_started", "actor/pg_loss", "actor/off_pg_loss",
+            "actor/pg_clipfrac", "actor/grad_norm", "actor/entropy", "experience/stored",
+            "experience/batch_size", "experience/trajectories", "experience/retired")
+
+
+def test_resume_after_the_delayed_start_fired_mid_run(tmp_path):
+  # The script's batch accuracy is 10/16 = 0.625 before any replay: the start fires
+  # at the end of step 1, so step 1 only retires and clips, steps 2-4 do not clip and
+  # collect, and steps 3-4 replay. A resumed run that lost the flag would differ.
+  _, reference = run(tmp_path / "reference", steps=4, algo__delayed_start=0.6)
+  assert [r["batch/replay_started"] for r in reference] == [1, 1, 1, 1]
+  assert reference[0]["experience/stored"] == 0
+  assert reference[1]["experience/stored"] > 0
+  assert reference[2]["experience/batch_size"] > 0
+  run(tmp_path / "resumed", steps=1, algo__delayed_start=0.6)
+  _, rows = run(tmp_path / "resumed", steps=4, algo__delayed_start=0.6)
+  for step in (2, 3, 4):
+    for key in COMPARED:
+      np.testing.assert_allclose(rows[step - 1][key], reference[step - 1][key], rtol=1e-5,
+                                 atol=1e-7, err_msg=f"step {step} {key}")
+
+
+def test_resume_honours_changed_replay_settings(exgrpo_run, tmp_path):
+  del exgrpo_run  # run after the module's run, so the reward pool is not contended
+  run(tmp_path, steps=1)
+  trainer, _ = run(tmp_path, steps=2, replay__sigma=0.5, replay__max_total=3)
+  assert trainer.state.buffer.config.sigma == 0.5
+  assert trainer.state.buffer.config.max_total == 3
+  assert trainer.state.buffer.stats()["trajectories"] <= 3
+  with pytest.raises(config_check.ConfigError, match=r"config.rollout.k=8: the checkpoint"):
+    run(tmp_path, steps=3, rollout__k=8)
 
 
 def test_convert_exports_training_checkpoint(exgrpo_run, tmp_path):

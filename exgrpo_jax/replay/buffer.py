@@ -200,6 +200,11 @@ class ExperienceBuffer:
     return self._bucket[_as_question_id(question_id)]
 
   @property
+  def question_ids(self) -> list[int]:
+    """The buffered (candidate) questions, in ascending order."""
+    return sorted(self._bucket)
+
+  @property
   def retired(self) -> frozenset[int]:
     return frozenset(self._retired)
 
@@ -209,7 +214,7 @@ class ExperienceBuffer:
 
   @property
   def rng(self) -> np.random.Generator:
-    """The buffer's generator (e.g. for `selection.select(..., rng=buf.rng)`)."""
+    """The buffer's generator (e.g. the `rng` of the "random" trajectory selection)."""
     return self._rng
 
   def stats(self) -> dict[str, int]:

@@ -3,7 +3,8 @@
 Pure functions over per-token entropies of a question's N candidates under the current
 policy (full-vocabulary entropy at temperature 1, from `logprobs.sequence_logprobs`):
 
-  pick = selection.SELECTIONS.get(config.replay.selection)(entropy_NxT, mask_NxT, rng)
+  pick = selection.SELECTIONS.get(config.algo.trajectory_selection)(entropy_NxT, mask_NxT,
+                                                                  rng)
 
 The score is the mean over each candidate's valid tokens (EOS included), the metric the
 reference code intended; its mask bug made it closer to the lowest total entropy.

@@ -3,9 +3,10 @@
 SPEC section 2, steps 2-3 (n_exp itself is `phase.num_replayed`): for each question
 sampled from the buffer (Gaussian over buckets), every stored correct trajectory is
 scored under the CURRENT policy (mean full-vocabulary entropy over its tokens, EOS
-included, temperature 1), and the configured rule picks one. A question with a single candidate needs no scoring (unless the no-IS ablation
-wants its current log-probs), and the scoring batches shrink to the next power of two
-of the rows left, so replay costs a forward pass only where there is a choice to make.
+included, temperature 1), and the configured rule picks one. A question with a single
+candidate needs no scoring (unless the no-IS ablation wants its current log-probs), and
+the scoring batches shrink to the next power of two of the rows left, so replay costs a
+forward pass only where there is a choice to make.
 """
 
 import dataclasses

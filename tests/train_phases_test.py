@@ -1,0 +1,147 @@
+"""The phases of a training step, each on its own (SPEC section 2, steps 1, 4, 7, 8, 9).
+
+Pure rules first (n_exp, the strict delayed-start threshold, clipping), then phases of
+a real `Trainer` on configs/tiny.py: the real JAX sampler (temperature 0.7; bfloat16),
+real rewards in worker processes, the real buffer.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from exgrpo_jax.replay import buckets
+from exgrpo_jax.training import learner
+from exgrpo_jax.training import padding
+from exgrpo_jax.training import phase
+from exgrpo_jax.training import trainer as trainer_lib
+from tests import trainer_test
+
+
+@pytest.mark.parametrize("rho, batch, candidates, expected", [
+    (0.5, 4, 10, 2), (0.5, 5, 10, 2), (0.75, 4, 10, 3), (0.5, 128, 7, 7), (0.25, 3, 5, 0),
+    (0.0, 8, 5, 0), (1.0, 4, 0, 0),
+])
+def test_num_replayed_is_min_of_floor_rho_b_and_candidates(rho, batch, candidates,
+                                                            expected):
+  assert phase.num_replayed(True, rho, batch, candidates) == expected
+  assert phase.num_replayed(False, rho, batch, candidates) == 0  # before the start
+
+
+def test_delayed_start_threshold_is_strict_and_final():
+  assert not phase.replay_started(False, 0.35, 0.35)
+  assert phase.replay_started(False, np.nextafter(0.35, 1), 0.35)
+  assert phase.replay_started(True, 0.0, 0.35)  # on for good
+  assert not phase.replay_started(False, 0.0, 0.0)  # (0 starts at construction instead)
+
+
+def test_clipping_switches_with_the_phase():
+  assert phase.use_clip(False, False) and phase.use_clip(False, True)
+  assert not phase.use_clip(True, False)
+  assert phase.use_clip(True, True)
+
+
+@pytest.mark.parametrize("overrides, recompute", [
+    ({}, False),
+    ({"model.dtype": "bfloat16"}, True),
+    ({"rollout.temperature": 0.7}, True),
+    ({"rollout.engine": "vllm"}, True),
+    ({"model.dtype": "bfloat16", "algo.old_logp_source": "rollout"}, False),
+    ({"algo.old_logp_source": "recompute"}, True),
+])
+def test_old_logp_source(overrides, recompute):
+  config = trainer_test.tiny.get_config()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  assert phase.recompute_old_logps(config) == recompute
+
+
+def _trainer(tmp_path, engine=None, **overrides):
+  config = trainer_test.tiny.get_config()
+  config.reward.plugins = "tests.reward_plugins"
+  config.reward.name = "test_even_length"  # mixed groups from a random model
+  for key, value in overrides.items():
+    section, name = key.split("__")
+    config[section][name] = value
+  trainer = trainer_lib.Trainer(config, str(tmp_path), engine=engine)
+  if engine is not None:
+    engine.state = trainer.state
+  return trainer
+
+
+def _close(trainer):
+  trainer.grader.close()
+  trainer.state.close()
+
+
+def _teacher_forced(trainer, params, prompt_ids, tokens_list):
+  st = trainer.state
+  p_len = padding.prompt_bucket(max(len(p) for p in prompt_ids))
+  tokens, valid, mask = padding.pack(prompt_ids, tokens_list, p_len,
+                                     trainer.config.rollout.max_new_tokens, st.pad_id)
+  logp, _ = learner.score_responses(st.model_cfg, params, tokens, valid, p_len, 8)
+  return [np.asarray(lp)[:int(m.sum())] for lp, m in zip(logp, mask)]
+
+
+def test_buffer_stores_temperature_one_behaviour_logps(tmp_path):
+  """At T = 0.7 the sampler's log-probs are of the scaled distribution; the buffer must
+  hold the behaviour policy's temperature-1 log-probs (up to its 2^-11 quantisation)."""
+  trainer = _trainer(tmp_path, rollout__temperature=0.7)
+  try:
+    st = trainer.state
+    params = jax.tree.map(np.array, st.params)  # the behaviour policy (params are donated)
+    trainer.train_step()
+    stored = [(q, t) for q in st.buffer.question_ids for t in st.buffer.candidates(q)]
+    assert stored, "no mixed group at step 1: the test needs stored trajectories"
+    expected = _teacher_forced(trainer, params, [list(st.prompt(q).ids) for q, _ in stored],
+                               [t.token_ids for _, t in stored])
+    for (_, t), want in zip(stored, expected):
+      np.testing.assert_allclose(t.logps, want, atol=2 ** -11 + 1e-6)
+  finally:
+    _close(trainer)
+
+
+def test_bfloat16_fresh_ratio_is_one_at_step_start(tmp_path):
+  """Under the defaults, pi_old of fresh tokens is the learner's own forward pass: in
+  bfloat16 the ratio at the step's first (here: only) optimizer step is 1 to float32
+  round-off, though the sampler's bfloat16 decode log-probs differ from it."""
+  trainer = _trainer(tmp_path, model__dtype="bfloat16", optim__mini_batches=1)
+  try:
+    metrics = trainer.train_step()
+    assert metrics["actor/on_tokens"] > 0
+    np.testing.assert_allclose(metrics["actor/on_ratio_mean"], 1.0, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(metrics["actor/on_ratio_max"], 1.0, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(metrics["actor/ppo_kl"], 0.0, atol=1e-6)
+  finally:
+    _close(trainer)
+
+
+def test_remember_with_reward_std_buckets(tmp_path):
+  """The continuous-reward variant: buckets from per-question reward std, and
+  correctness from reward.correct_threshold."""
+  engine = trainer_test.ScriptedEngine()
+  trainer = _trainer(tmp_path, engine, replay__bucketing="reward_std",
+                     reward__correct_threshold=0.5)
+  try:
+    rng = np.random.default_rng(0)
+    fresh, replays = trainer.compose(rng)
+    groups, _ = trainer.roll_out(fresh, replays, 1)
+    trainer.grade(groups)
+    rewards_QxK = np.array([[0.9, 0.2, 0.6, 0.4], [0.5, 0.5, 0.5, 0.5],
+                            [1.0, 0.0, 0.0, 0.0], [0.7, 0.6, 0.1, 0.3]])
+    for g, r in zip(groups, rewards_QxK):
+      g.rewards = r
+    summary = trainer.remember(groups, 1)
+    expected = buckets.std_buckets(rewards_QxK)
+    stored = 0
+    for g, b, r in zip(groups, expected, rewards_QxK):
+      if 0 < b < 4:
+        assert trainer.state.buffer.bucket(g.question_id) == b
+        stored += int((r >= 0.5).sum())
+      else:
+        assert g.question_id not in trainer.state.buffer.question_ids
+    assert stored > 0 and summary["stored"] == stored
+    # 4 of 4 at or above the threshold: retired, though no reward is 1.
+    assert groups[1].question_id in trainer.state.buffer.retired
+  finally:
+    _close(trainer)
