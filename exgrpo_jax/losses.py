@@ -1,7 +1,8 @@
 """Mixed on/off-policy policy-gradient losses (SPEC section 2, step 8), jitted.
 
-Per valid token, with ratio r = exp(logp - old_logp) (old_logp: the step-start recompute on
-fresh tokens, the behaviour log-prob recorded at collection on replayed ones):
+Per valid token, with ratio r = exp(logp - old_logp) (old_logp: pi_old at the step's start
+on fresh tokens, the rollout's or the learner's recompute per `algo.old_logp_source`; the
+behaviour log-prob recorded at collection on replayed ones; all at temperature 1):
   fresh:    -r A, or max(-r A, -clip(r, 1-eps, 1+eps) A) with use_clip;
   replayed: -f(r) A with policy shaping f(w) = w / (w + gamma), never clipped; with
             shaping_gamma=None, the clipped ratio instead ("without policy shaping").

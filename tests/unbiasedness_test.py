@@ -160,3 +160,54 @@ def _relative_error(x, reference):
 
 def _cosine(x, y):
   return float(x @ y / np.linalg.norm(x) / np.linalg.norm(y))
+
+
+def test_theorem_1_on_the_policy_loss_itself():
+  """Theorem 1 through `losses.policy_loss`: exact expectations over every group.
+
+  One-token responses (so the per-token ratio is the trajectory weight W) over V = 3
+  tokens, K = 4: every group of one replayed o* ~ pi_past and K-1 fresh o_i ~ pi_theta
+  is enumerated (3^4) with its probability folded into the advantages, and the loss is
+  differentiated in theta. With the importance weight unclipped and unshaped, the
+  mixed groups' expected gradient equals the on-policy groups' (the same loss with K
+  fresh members), which is (1 - 1/K) grad J; with W := 1 it does not.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import losses  # pylint: disable=g-import-not-at-top
+
+  v, k = 3, 4
+  rng = np.random.default_rng(0)
+  theta = jnp.asarray(rng.normal(0, 0.7, v), jnp.float32)
+  logp_past_V = jax.nn.log_softmax(jnp.asarray(rng.normal(0, 0.7, v), jnp.float32))
+  reward_V = jnp.array([1.0, 0.0, 1.0])
+  groups_GxK = np.array(list(itertools.product(range(v), repeat=k)))  # [81, K]
+
+  def expected_loss(theta, replayed: bool, weighted: bool = True):
+    logp_V = jax.nn.log_softmax(theta)
+    tokens_N = groups_GxK.reshape(-1)
+    logp_Nx1 = logp_V[tokens_N][:, None]
+    is_replay_GxK = np.zeros(groups_GxK.shape, bool)
+    is_replay_GxK[:, 0] = replayed
+    is_replay_Nx1 = is_replay_GxK.reshape(-1, 1)
+    old_Nx1 = jnp.where(is_replay_Nx1, logp_past_V[tokens_N][:, None] if weighted
+                        else jax.lax.stop_gradient(logp_Nx1),
+                        jax.lax.stop_gradient(logp_Nx1))
+    member_p_GxK = jax.lax.stop_gradient(
+        jnp.where(is_replay_GxK, jnp.exp(logp_past_V)[groups_GxK],
+                  jnp.exp(logp_V)[groups_GxK]))
+    rewards_GxK = reward_V[groups_GxK]
+    adv_GxK = rewards_GxK - rewards_GxK.mean(axis=1, keepdims=True)
+    adv_N = (adv_GxK * member_p_GxK.prod(axis=1, keepdims=True)).reshape(-1)
+    loss, _ = losses.policy_loss(logp_Nx1, old_Nx1, adv_N, np.ones((len(adv_N), 1), bool),
+                                 is_replay_Nx1, clip_eps=1e9, use_clip=False,
+                                 shaping_gamma=None, norm_len=float(k))
+    return loss
+
+  grad_j = jax.grad(lambda t: jnp.exp(jax.nn.log_softmax(t)) @ reward_V)(theta)
+  on_policy = -jax.grad(expected_loss)(theta, False)
+  mixed = -jax.grad(expected_loss)(theta, True)
+  np.testing.assert_allclose(on_policy, (1 - 1 / k) * grad_j, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(mixed, on_policy, rtol=1e-5, atol=1e-7)
+  unweighted = -jax.grad(expected_loss)(theta, True, False)
+  assert np.abs(unweighted - on_policy).max() > 100 * 1e-5 * np.abs(on_policy).max()
