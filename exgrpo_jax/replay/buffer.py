@@ -24,8 +24,8 @@ _STATE_VERSION = 1
 class BufferConfig:
   """Keys read from the config's `replay` section (other keys there are ignored).
 
-  k: rollouts per question K. mu, sigma: bucket Gaussian in accuracy units (sigma None or
-  0 means 1/K, the reference code's one-success width). weighting: see
+  k: rollouts per question K. mu, sigma: bucket Gaussian in accuracy units (sigma None
+  means 1/K, the reference code's one-success width; SPEC section 2, step 2). weighting: see
   `buckets.bucket_probs`. max_per_question, max_total: trajectory caps, 0 = none (oldest
   evicted first). vocab_size: largest token id + 1 (None: up to 2^24, 5 bytes/token).
   correct_threshold: a response is correct when its reward is at least this.
@@ -46,15 +46,15 @@ class BufferConfig:
     if self.weighting not in buckets.WEIGHTINGS:
       raise ValueError(f"replay weighting must be one of {buckets.WEIGHTINGS}, "
                        f"got {self.weighting!r}")
-    if self.sigma is not None and self.sigma < 0:
-      raise ValueError(f"replay sigma must be >= 0, got {self.sigma}")
+    if self.sigma is not None and not self.sigma > 0:
+      raise ValueError(f"replay sigma must be > 0 (None = 1/K), got {self.sigma}")
     for name in ("max_per_question", "max_total"):
       if getattr(self, name) < 0:
         raise ValueError(f"replay {name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
 
   @property
   def sigma_acc(self) -> float:
-    return self.sigma or 1.0 / self.k
+    return 1.0 / self.k if self.sigma is None else self.sigma
 
   @classmethod
   def from_mapping(cls, config: Mapping[str, Any] | None) -> "BufferConfig":
