@@ -116,16 +116,18 @@ def test_bfloat16_fresh_ratio_is_one_at_step_start(tmp_path):
     _close(trainer)
 
 
-def test_remember_with_reward_std_buckets(tmp_path):
+def test_remember_with_reward_std_buckets_then_compose(tmp_path):
   """The continuous-reward variant: buckets from per-question reward std, and
-  correctness from reward.correct_threshold."""
+  correctness from reward.correct_threshold. Then step 1 on the filled buffer: no
+  replay before the start; after it, n_exp replay groups, each holding one stored
+  trajectory and filled to K by the rollout."""
   engine = trainer_test.ScriptedEngine()
   trainer = _trainer(tmp_path, engine, replay__bucketing="reward_std",
                      reward__correct_threshold=0.5)
   try:
     rng = np.random.default_rng(0)
-    fresh, replays = trainer.compose(rng)
-    groups, _ = trainer.roll_out(fresh, replays, 1)
+    groups = trainer.compose(rng)
+    trainer.roll_out(groups, 1)
     trainer.grade(groups)
     rewards_QxK = np.array([[0.9, 0.2, 0.6, 0.4], [0.5, 0.5, 0.5, 0.5],
                             [1.0, 0.0, 0.0, 0.0], [0.7, 0.6, 0.1, 0.3]])
@@ -143,5 +145,21 @@ def test_remember_with_reward_std_buckets(tmp_path):
     assert stored > 0 and summary["stored"] == stored
     # 4 of 4 at or above the threshold: retired, though no reward is 1.
     assert groups[1].question_id in trainer.state.buffer.retired
+
+    st = trainer.state
+    candidates = st.buffer.num_candidates
+    st.replay_started = False
+    assert not any(g.is_replay for g in trainer.compose(rng))
+    st.replay_started = True
+    groups = trainer.compose(rng)
+    replayed = [g for g in groups if g.is_replay]
+    assert len(groups) == 4 and len(replayed) == min(2, candidates) > 0
+    for g in replayed:
+      assert g.question_id in st.buffer.question_ids and len(g.responses) == 1
+      assert any(np.array_equal(g.responses[0].tokens, t.token_ids)
+                 for t in st.buffer.candidates(g.question_id))
+    trainer.roll_out(groups, 2)
+    assert all(len(g.responses) == 4 for g in groups)
+    assert all(g.responses[-1].is_replay for g in replayed)
   finally:
     _close(trainer)

@@ -32,12 +32,17 @@ class Response:
 
 @dataclasses.dataclass
 class Group:
-  """A question's K responses; `rewards` and `advantages` [K] are set by grading."""
+  """A question's K responses; `rewards` and `advantages` [K] are set by grading.
+
+  `replay_candidates`: for a replay group, how many stored trajectories its replayed
+  member was chosen from.
+  """
 
   prompt: data.Prompt
   responses: list[Response]
   rewards: np.ndarray | None = None
   advantages: np.ndarray | None = None
+  replay_candidates: int = 0
 
   @property
   def question_id(self) -> int:

@@ -70,9 +70,9 @@ class Trainer:
     step = st.step + 1
     rng = np.random.default_rng([self.config.train.seed, step])
     with _timed(timings, "select"):
-      fresh, replays = self.compose(rng)
+      groups = self.compose(rng)
     with _timed(timings, "gen"):
-      groups, out = self.roll_out(fresh, replays, step)
+      self.roll_out(groups, step)
     with _timed(timings, "old_logprobs"):
       self.old_logps(groups)
     with _timed(timings, "reward"):
@@ -84,44 +84,44 @@ class Trainer:
     self.update_phase(float(groups_lib.rewards_QxK(groups).mean()))
     st.step = step
     timings["step"] = time.time() - t_step
-    return self._metrics(groups, replays, out, summary, reward_stats, actor, timings)
+    return self._metrics(groups, summary, reward_stats, actor, timings)
 
-  def compose(self, rng: np.random.Generator):
-    """Steps 1-3: fresh prompts and the replays (question + chosen trajectory)."""
+  def compose(self, rng: np.random.Generator) -> list[groups_lib.Group]:
+    """Steps 1-3: fresh groups (no responses yet), then replay groups holding the
+    trajectory chosen for them."""
     cfg, st = self.config, self.state
     batch_q = cfg.train.batch_questions
     n_exp = phase.num_replayed(st.replay_started, cfg.algo.rho, batch_q,
                                st.buffer.num_candidates)
     replay_prompts = [st.prompt(int(q)) for q in st.buffer.sample_questions(n_exp)]
     replays = self.actor.choose_replays(st.params, st.buffer, replay_prompts, rng)
-    fresh = [st.prompt(q.uid) for q in st.stream.next_batch(batch_q - len(replays))]
-    return fresh, list(zip(replay_prompts, replays))
+    fresh = [groups_lib.Group(st.prompt(q.uid), [])
+             for q in st.stream.next_batch(batch_q - len(replays))]
+    for prompt, rep in zip(replay_prompts, replays):
+      old = rep.behaviour_logp if cfg.algo.is_correction else rep.current_logp
+      text = st.tokenizer.decode(rep.tokens, skip_special_tokens=True)
+      fresh.append(groups_lib.Group(
+          prompt, [groups_lib.Response(rep.tokens, old, text, is_replay=True)],
+          replay_candidates=rep.num_candidates))
+    return fresh
 
-  def roll_out(self, fresh, replays, step: int):
-    """Step 4: K samples per fresh prompt, K-1 per replayed one plus its trajectory."""
+  def roll_out(self, groups, step: int) -> None:
+    """Step 4: fills each group to K with fresh samples (before a replayed member)."""
     cfg, st = self.config, self.state
-    k = cfg.rollout.k
-    prompts = fresh + [p for p, _ in replays]
-    counts = [k] * len(fresh) + [k - 1] * len(replays)
+    counts = [cfg.rollout.k - len(g.responses) for g in groups]
     key = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-    out = self.engine.generate([list(p.ids) for p in prompts], counts, st.params, key,
+    out = self.engine.generate([g.prompt_ids for g in groups], counts, st.params, key,
                                st.sampling_config)
-    groups, row = [], 0
-    for prompt, count in zip(prompts, counts):
-      members = []
+    row = 0
+    for group, count in zip(groups, counts):
+      samples = []
       for _ in range(count):
         n = int(out.lengths_N[row])
-        members.append(groups_lib.Response(out.tokens_NxT[row, :n], out.logprobs_NxT[row, :n],
+        samples.append(groups_lib.Response(out.tokens_NxT[row, :n], out.logprobs_NxT[row, :n],
                                            out.texts[row],
                                            truncated=bool(out.truncated_N[row])))
         row += 1
-      groups.append(groups_lib.Group(prompt, members))
-    for group, (_, rep) in zip(groups[len(fresh):], replays):
-      old = rep.behaviour_logp if cfg.algo.is_correction else rep.current_logp
-      group.responses.append(groups_lib.Response(
-          rep.tokens, old, st.tokenizer.decode(rep.tokens, skip_special_tokens=True),
-          is_replay=True))
-    return groups, out
+      group.responses[:0] = samples
 
   def old_logps(self, groups) -> None:
     """pi_old of the fresh responses (also what the buffer stores), when recomputed.
@@ -179,13 +179,15 @@ class Trainer:
     st.replay_started = phase.replay_started(st.replay_started, accuracy,
                                              self.config.algo.delayed_start)
 
-  def _metrics(self, groups, replays, out, summary, reward_stats, actor, timings) -> dict:
+  def _metrics(self, groups, summary, reward_stats, actor, timings) -> dict:
     st = self.state
     rewards_QxK = groups_lib.rewards_QxK(groups)
     members = groups_lib.responses(groups)
     rewards_N = rewards_QxK.reshape(-1)
     is_replay_N = np.array([r.is_replay for r in members])
-    lengths = np.array([len(r.tokens) for r in members if not r.is_replay])
+    fresh = [r for r in members if not r.is_replay]
+    lengths = np.array([len(r.tokens) for r in fresh])
+    replayed = [g.replay_candidates for g in groups if g.is_replay]
     correct_QxK = rewards_QxK >= self.config.reward.correct_threshold
     metrics = {
         "batch/solved": float(rewards_QxK.mean()),
@@ -194,14 +196,13 @@ class Trainer:
         "batch/solve_all": float(correct_QxK.all(1).mean()),
         "batch/solve_none": float((~correct_QxK).all(1).mean()),
         "batch/replay_started": float(st.replay_started),
-        "experience/batch_size": len(replays),
-        "experience/picked_candidates_mean": (np.mean([r.num_candidates for _, r in replays])
-                                              if replays else 0.0),
+        "experience/batch_size": len(replayed),
+        "experience/picked_candidates_mean": np.mean(replayed) if replayed else 0.0,
         "experience/newly_retired": summary["retired"],
         "experience/stored": summary["stored"],
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float(np.mean(out.truncated_N)),
+        "response_length/clip_ratio": float(np.mean([r.truncated for r in fresh])),
         "timing_s/tokens_per_s": float(lengths.sum() / max(timings["gen"], 1e-9)),
     }
     for name, value in st.buffer.stats().items():
