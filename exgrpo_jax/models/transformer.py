@@ -63,6 +63,16 @@ def cache_positions_and_mask(valid_BxS: jax.Array, index: jax.Array, valid_BxT: 
   return valid_BxS, positions_BxT, mask_BxTxS
 
 
+def segment_positions(segment_ids_BxT: jax.Array) -> jax.Array:
+  """Each token's offset from the start of its segment (a run of equal segment ids)."""
+  t_T = jnp.arange(segment_ids_BxT.shape[1])
+  starts_BxT = jnp.concatenate(
+      [jnp.ones_like(segment_ids_BxT[:, :1], bool),
+       segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+  start_BxT = jax.lax.cummax(jnp.where(starts_BxT, t_T, 0), axis=1)
+  return t_T - start_BxT
+
+
 def rope_inv_freq(cfg: config_lib.ModelConfig) -> jax.Array:
   """RoPE inverse frequencies [Dh/2], with the llama3 long-context rule if configured."""
   dh = cfg.head_dim
@@ -250,7 +260,7 @@ class Transformer(nn.Module):
     return self.embedding_VxD.T if self.cfg.tie_word_embeddings else self.lm_head_DxV
 
   def __call__(self, tokens_BxT, valid_BxT=None, cache: KVCache | None = None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, *, positions_BxT=None, segment_ids_BxT=None):
     """Runs the decoder.
 
     Args:
@@ -260,6 +270,11 @@ class Transformer(nn.Module):
       cache: if given, the T tokens are written at slots [index, index+T) and attend to
         every valid earlier slot; the updated cache is returned.
       return_hidden: return final-norm hidden states [B, T, D] instead of logits.
+      positions_BxT: int RoPE positions, overriding the default (count of valid tokens,
+        or the offset within the segment when `segment_ids_BxT` is given).
+      segment_ids_BxT: int, for rows packing several sequences: 0 on padding, 1, 2, ...
+        for the sequence a token belongs to. Tokens attend causally within their own
+        segment only; replaces `valid_BxT`. Not supported with a cache.
 
     Returns:
       (float32 logits [B, T, V] or hidden states, updated cache or None).
@@ -272,13 +287,24 @@ class Transformer(nn.Module):
     x_BxTxD = jnp.take(self.embedding_VxD, tokens_BxT, axis=0).astype(dt)
 
     if cache is None:
-      positions_BxT = jnp.maximum(jnp.cumsum(valid_BxT, axis=1) - 1, 0)
       causal_TxT = jnp.tril(jnp.ones((T, T), bool))
-      mask_BxTxS = causal_TxT[None] & valid_BxT[:, None, :]
+      if segment_ids_BxT is None:
+        default_positions_BxT = jnp.maximum(jnp.cumsum(valid_BxT, axis=1) - 1, 0)
+        mask_BxTxS = causal_TxT[None] & valid_BxT[:, None, :]
+      else:
+        default_positions_BxT = segment_positions(segment_ids_BxT)
+        mask_BxTxS = (causal_TxT[None] & (segment_ids_BxT[:, None, :] != 0)
+                      & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]))
+      if positions_BxT is None:
+        positions_BxT = default_positions_BxT
       layer_caches, new_cache = None, None
     else:
-      valid_BxS, positions_BxT, mask_BxTxS = cache_positions_and_mask(
+      if segment_ids_BxT is not None:
+        raise ValueError("segment_ids_BxT (packed rows) is not supported with a KV cache")
+      valid_BxS, default_positions_BxT, mask_BxTxS = cache_positions_and_mask(
           cache.valid_BxS, cache.index, valid_BxT)
+      if positions_BxT is None:
+        positions_BxT = default_positions_BxT
       layer_caches = (cache.k_LxBxKxDhxS, cache.v_LxBxKxSxDh,
                       jnp.broadcast_to(cache.index, (cfg.num_layers,)))
 
