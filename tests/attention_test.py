@@ -166,6 +166,28 @@ def test_splash_in_pallas_interpreter_matches_xla():
     assert relative_error(x, r) <= 1e-5
 
 
+def _attention_grad_temp_bytes(impl: str, S: int) -> int:
+  B, H, K, Dh = 1, 4, 2, 32
+  sds = jax.ShapeDtypeStruct
+  mask = attention.AttentionMask.padded(jnp.ones((B, S), bool))
+
+  def loss(q, k, v):
+    return jnp.sum(attention.attend(impl, q, k, v, mask) ** 2)
+  args = (sds((B, S, H, Dh), jnp.float32), sds((B, K, Dh, S), jnp.float32),
+          sds((B, K, S, Dh), jnp.float32))
+  compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_is_linear_in_length(monkeypatch):
+  """XLA's memory analysis (compile only) of attention's gradient."""
+  monkeypatch.setattr(blockwise, "BLOCK", 512)
+  temps = {impl: [_attention_grad_temp_bytes(impl, S) for S in (2048, 4096)]
+           for impl in ("xla", "blockwise")}
+  assert temps["blockwise"][1] <= 2.2 * temps["blockwise"][0], temps
+  assert temps["xla"][1] >= 3 * temps["blockwise"][1], temps
+
+
 def test_unavailable_implementation_is_one_line_naming_alternatives():
   with pytest.raises(ValueError) as error:
     attention.check_supported("cudnn", backend="cpu")
