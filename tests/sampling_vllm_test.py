@@ -352,3 +352,35 @@ def test_vllm_greedy_matches_the_jax_engine():
     np.testing.assert_array_equal(outs[0].tokens_NxT, out.tokens_NxT)
     np.testing.assert_allclose(outs[0].logprobs_NxT, out.logprobs_NxT, atol=1e-3)
     assert json.dumps(outs[0].texts) == json.dumps(out.texts)
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_every_jax_phase_while_vllm_sleeps(stand_in, monkeypatch, tmp_path,
+                                                            shared_data_dir):
+  del shared_data_dir  # configs/tiny.py reads GSM8K from it
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.rollout.engine = "vllm"
+  c.reward.plugins, c.reward.name = "tests.reward_plugins", "test_even_length"
+  train_step = learner.train_step
+
+  def logged_train_step(*args, **kwargs):
+    stand_in.INSTANCES[0].calls.append(("learner", None))
+    return train_step(*args, **kwargs)
+  monkeypatch.setattr(learner, "train_step", logged_train_step)
+  run = trainer_lib.Trainer(c, str(tmp_path))
+  llm = stand_in.INSTANCES[0]
+  assert llm.kwargs["max_model_len"] == 192 + 16
+  run.train_step()
+  cfg = run.state.model_cfg  # the learner donates its params: take them as HF tensors now
+  after_first = list(export.hf_state_dict(cfg, run.state.params, dtype=cfg.dtype))
+  run.train_step()
+  order = [(k, d) for k, d in llm.calls if k in ("generate", "sleep", "wake_up", "learner")]
+  order = [k if k != "wake_up" else f"wake_up {d[0]}" for k, d in order]
+  assert order == ["generate", "sleep", "learner", "learner", "wake_up weights",
+                   "wake_up kv_cache", "generate", "sleep", "learner", "learner"]
+  # The second rollout ran on the weights the first learner phase produced.
+  for name, array in after_first:
+    np.testing.assert_array_equal(llm.generated_with[name][2], array, err_msg=name)
