@@ -228,6 +228,8 @@ def test_memory_splits_that_cannot_fit_are_refused_with_one_line():
                                      tensor_parallel_size=2), gpu, jax_fraction=None)
   assert split.kv_sequences == int((0.15 * 80 - 14.19 / 2 - 2) // (split.kv_gib_per_sequence))
   assert vllm_setup.plan_split(QWEN7B, options, gpu, jax_fraction=0.6).kv_sequences > 0
+  edge = vllm_setup.VllmOptions(max_model_len=9216, gpu_memory_utilization=0.28)
+  assert vllm_setup.plan_split(QWEN7B, edge, gpu, jax_fraction=0.67).kv_sequences == 12
   monkey_env = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
   assert vllm_setup.jax_held_fraction(monkey_env) is None
   assert vllm_setup.jax_held_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}) == 0.5

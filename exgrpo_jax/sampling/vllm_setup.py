@@ -125,7 +125,7 @@ def plan_split(model_cfg: config_lib.ModelConfig, options: VllmOptions, device_b
                jax_fraction: float | None) -> MemorySplit:
   """The split of one GPU; ValueError (one line) when it cannot work."""
   u, tp = options.gpu_memory_utilization, options.tensor_parallel_size
-  if jax_fraction is not None and jax_fraction + u > MAX_TOTAL_FRACTION:
+  if jax_fraction is not None and round(jax_fraction + u, 6) > MAX_TOTAL_FRACTION:
     raise ValueError(
         f"JAX keeps {jax_fraction:.2f} of each GPU (XLA_PYTHON_CLIENT_MEM_FRACTION) and "
         f"rollout.vllm.gpu_memory_utilization={u:.2f} asks for {u:.2f} more: "
