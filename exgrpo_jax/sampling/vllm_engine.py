@@ -113,12 +113,13 @@ def weight_chunks(cfg: config_lib.ModelConfig, params, dtype: str,
   chunk, size = [], 0
   for name, array in hf_device_tensors(cfg, params, dtype):
     if chunk and size + array.nbytes > max_bytes:
-      yield [(n, torch.from_dlpack(a)) for n, a in jax.block_until_ready(chunk)]
+      yield chunk
       chunk, size = [], 0
-    chunk.append((name, array))
+    # DLPack makes torch's stream wait for JAX's computation of the array.
+    chunk.append((name, torch.from_dlpack(array)))
     size += array.nbytes
   if chunk:
-    yield [(n, torch.from_dlpack(a)) for n, a in jax.block_until_ready(chunk)]
+    yield chunk
 
 
 def sampling_params_kwargs(sampling: base.SamplingConfig, count: int, seed: int,
