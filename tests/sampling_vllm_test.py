@@ -147,6 +147,19 @@ def test_bad_options_get_one_line_each():
       "config.rollout.vllm.sleep_level"]
 
 
+def test_config_check_names_bad_vllm_values(shared_data_dir):
+  del shared_data_dir  # configs/tiny.py reads GSM8K from it
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.rollout.vllm.sleep_level = 5
+  config_check.check(c)  # the jax engine ignores the vllm section
+  c.rollout.engine = "vllm"
+  with pytest.raises(config_check.ConfigError,
+                     match=r"^config.rollout.vllm.sleep_level=5: must be 0"):
+    config_check.check(c)
+
+
 def kinds(calls):
   return [kind for kind, _ in calls if kind != "load_weights"]
 
@@ -261,14 +274,15 @@ def test_vllm_outputs_become_a_prompt_major_rollout():
       types.SimpleNamespace(outputs=[completion([6], [-0.5], "stop")]),
   ]
   config = sampling.SamplingConfig(max_new_tokens=4)
-  out = vllm_engine.to_rollout(results, [2, 0, 1], config, (2,), None, pad_id=0)
+  out = vllm_engine.finish(vllm_engine.raw_rows(results, [2, 0, 1], 4, (2,), pad_id=0),
+                           config, None, pad_id=0)
   np.testing.assert_array_equal(out.prompt_index_N, [0, 0, 2])
   np.testing.assert_array_equal(out.tokens_NxT, [[7, 8, 2, 0], [4, 4, 4, 4], [6, 0, 0, 0]])
   np.testing.assert_array_equal(out.lengths_N, [3, 4, 1])
   np.testing.assert_allclose(out.logprobs_NxT[0], [-0.1, -0.2, -0.3, 0.0])
   np.testing.assert_array_equal(out.truncated_N, [False, True, False])
   with pytest.raises(ValueError, match="returned 1 outputs for 2 prompts"):
-    vllm_engine.to_rollout(results[:1], [2, 0, 1], config, (2,), None, pad_id=0)
+    vllm_engine.raw_rows(results[:1], [2, 0, 1], 4, (2,), pad_id=0)
 
 
 def test_sampling_params_follow_the_config():

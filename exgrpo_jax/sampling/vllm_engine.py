@@ -156,16 +156,11 @@ def raw_rows(request_outputs, counts, max_new_tokens: int, eos_ids, pad_id: int,
   return raw
 
 
-def finish(raw: dict, sampling: base.SamplingConfig, tokenizer, pad_id: int):
+def finish(raw: dict, sampling: base.SamplingConfig, tokenizer,
+           pad_id: int) -> base.RolloutOutput:
+  """`raw_rows` (of all prompts) -> RolloutOutput: stop strings, masks, texts."""
   return outputs.finalize(raw["tokens"], raw["logprobs"], None, raw["lengths"], raw["eos"],
                           raw["prompt_index"], tokenizer, sampling.stop_strings, pad_id)
-
-
-def to_rollout(request_outputs, counts, sampling: base.SamplingConfig, eos_ids, tokenizer,
-               pad_id: int) -> base.RolloutOutput:
-  """Converts one process's vLLM outputs for all of `counts`' prompts."""
-  return finish(raw_rows(request_outputs, counts, sampling.max_new_tokens, eos_ids, pad_id),
-                sampling, tokenizer, pad_id)
 
 
 def gather_rows(raw: dict, layout: vllm_setup.ProcessLayout, rows_per_group) -> dict:
