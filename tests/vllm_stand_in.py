@@ -15,7 +15,6 @@ import json
 import os
 import types
 
-import numpy as np
 
 INSTANCES = []  # every LLM built, in order
 
