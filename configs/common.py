@@ -65,6 +65,15 @@ def base_config() -> ml_collections.ConfigDict:
       top_k=0,
       max_new_tokens=8192,
       max_rows=0,             # jax engine: most rows per generate call, 0 = all (KV cache bound)
+      # vllm engine (exgrpo_jax/sampling/vllm_setup.py; BUILD.md, "vLLM rollouts"); its
+      # max_model_len is data.max_prompt_tokens + the longest max_new_tokens.
+      vllm=ml_collections.ConfigDict(dict(
+          gpu_memory_utilization=0.3,  # vLLM's share of each GPU (weights + KV cache)
+          tensor_parallel_size=1,      # GPUs (one JAX process each) per vLLM instance
+          sleep_level=2,               # after each rollout: 0 stay, 1 weights to CPU, 2 free
+          max_num_seqs=256,            # sequences vLLM decodes at once
+          enforce_eager=False,         # True: no CUDA graphs (less memory, slower)
+      )),
   ))
 
   c.reward = ml_collections.ConfigDict(dict(

@@ -1,22 +1,68 @@
-"""The vLLM engine's parts that run without vLLM, and an end-to-end test gated on it.
+"""The vLLM engine against a stand-in `vllm` module (tests/vllm_stand_in.py), and for real.
 
-vLLM's `load_weights` takes checkpoint (HF) names and layouts, so the weight hand-off is
-checked by loading the streamed chunks into a transformers model and comparing logits.
+The stand-in implements only the calls the engine makes and records them, so these tests
+show what the engine asks of vLLM: its options, the sleep/wake order around each JAX
+phase, the weights (HF name, shape, dtype, values), the split of rows over processes and
+the refusal of memory splits that cannot fit. The weight layouts are checked for real by
+loading the hand-off into a transformers model and comparing logits. The last test runs
+the real vLLM where `import vllm` works and a CUDA GPU is present.
 """
 
+import dataclasses
+import functools
 import json
+import os
+import socket
+import subprocess
+import sys
 import types
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
+from configs import common
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax import sharding
+from exgrpo_jax.models import export
 from exgrpo_jax.sampling import vllm_engine
+from exgrpo_jax.sampling import vllm_setup
+from tests import vllm_stand_in
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
+                          attention_bias=True, eos_token_id=(2,), max_position_embeddings=64)
+PROMPTS = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15], [16, 17]]
+COUNTS = [3, 0, 2, 4, 1, 2]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_params():
+  """TINY's random params, sharded over every device (of every process) like the learner's."""
+  mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(shape=(-1, 1),
+                                                           axes=("fsdp", "tensor"))))
+  return sharding.init_params(TINY, jax.random.key(0), sharding.param_shardings(TINY, mesh))
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+  """`import vllm` gives the stand-in; an 80 GiB GPU; the availability check passes."""
+  monkeypatch.setitem(sys.modules, "vllm", vllm_stand_in)
+  monkeypatch.setattr(vllm_engine, "check_available", lambda: None)
+  monkeypatch.setattr(vllm_engine, "_device_bytes", lambda rank: 80 * vllm_setup.GIB)
+  vllm_stand_in.INSTANCES.clear()
+  return vllm_stand_in
+
+
+def make(cfg=TINY, **options):
+  options = vllm_setup.VllmOptions(**dict(dict(max_model_len=48), **options))
+  return vllm_engine.VllmEngine(cfg, vllm_stand_in.tiny_tokenizer(cfg.vocab_size), options)
 
 
 def test_weight_chunks_load_into_transformers_with_identical_logits(tmp_path):
@@ -31,18 +77,212 @@ def test_weight_chunks_load_into_transformers_with_identical_logits(tmp_path):
   source.save_pretrained(tmp_path)
   policy = models.from_pretrained(str(tmp_path))
 
-  chunks = list(vllm_engine.weight_chunks(policy.config, policy.params, max_bytes=20_000))
+  chunks = list(vllm_engine.weight_chunks(policy.config, policy.params, "float32",
+                                          max_bytes=20_000))
   names = [name for chunk in chunks for name, _ in chunk]
   assert len(chunks) > 1 and len(names) == len(set(names))
   target = transformers.Qwen2ForCausalLM(hf_cfg).float().eval()
   expected = {k for k in target.state_dict() if not k.endswith("rotary_emb.inv_freq")}
   assert set(names) == expected
-  target.load_state_dict({n: torch.from_numpy(a) for c in chunks for n, a in c}, strict=False)
+  target.load_state_dict({n: t for c in chunks for n, t in c}, strict=False)
 
   ids = np.random.default_rng(0).integers(0, 96, (2, 11))
   with torch.no_grad():
     hf_logits = target(torch.tensor(ids)).logits.numpy()
   np.testing.assert_allclose(np.asarray(policy(ids)), hf_logits, atol=1e-5)
+
+
+def test_every_weight_reaches_vllm_with_its_hf_name_shape_and_dtype(stand_in):
+  cfg = dataclasses.replace(TINY, dtype="bfloat16")
+  params = tiny_params()  # the compute dtype does not change the (float32) params
+  engine = make(cfg)
+  engine.generate(PROMPTS, COUNTS, params, jax.random.key(0), sampling.SamplingConfig(
+      max_new_tokens=5))
+  expected = list(export.hf_state_dict(cfg, params, dtype="bfloat16"))
+  llm = stand_in.INSTANCES[0]
+  loaded = [n for kind, names in llm.calls if kind == "load_weights" for n in names]
+  assert loaded == [name for name, _ in expected]  # each once, in the export's order
+  for name, array in expected:
+    shape, dtype, values = llm.generated_with[name]
+    assert shape == array.shape and dtype == torch.bfloat16, name
+    np.testing.assert_array_equal(values, array.astype(np.float32), err_msg=name)
+
+
+def test_engine_passes_the_configured_options(stand_in):
+  c = common.base_config()
+  c.rollout.engine = "vllm"
+  c.data.max_prompt_tokens, c.rollout.max_new_tokens = 40, 24
+  c.eval.every = 0
+  c.train.seed = 5
+  c.rollout.vllm.update(dict(gpu_memory_utilization=0.25, max_num_seqs=64, sleep_level=1,
+                             enforce_eager=True))
+  options = vllm_setup.VllmOptions.from_config(c)
+  engine = vllm_engine.VllmEngine(TINY, stand_in.tiny_tokenizer(96), options)
+  kwargs = stand_in.INSTANCES[0].kwargs
+  assert {k: kwargs[k] for k in ("gpu_memory_utilization", "tensor_parallel_size",
+                                 "max_model_len", "max_num_seqs", "enforce_eager",
+                                 "enable_sleep_mode", "seed", "dtype", "load_format",
+                                 "logprobs_mode")} == dict(
+      gpu_memory_utilization=0.25, tensor_parallel_size=1, max_model_len=64,
+      max_num_seqs=64, enforce_eager=True, enable_sleep_mode=True, seed=5,
+      dtype="float32", load_format="dummy", logprobs_mode="processed_logprobs")
+  assert "distributed_executor_backend" not in kwargs  # one process: vLLM's default
+  engine.generate(PROMPTS, COUNTS, tiny_params(), jax.random.key(0),
+                  sampling.SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=6))
+  assert engine.memory.kv_sequences > 0
+  assert [c[1] for c in stand_in.INSTANCES[0].calls if c[0] == "sleep"] == [1]
+
+  c.eval.every, c.eval.max_new_tokens = 10, 100  # evaluation's longer answers count
+  assert vllm_setup.VllmOptions.from_config(c).max_model_len == 140
+
+
+def test_bad_options_get_one_line_each():
+  c = common.base_config()
+  c.rollout.vllm.update(dict(gpu_memory_utilization=1.5, sleep_level=3, max_num_seqs=0))
+  with pytest.raises(ValueError) as e:
+    vllm_setup.VllmOptions.from_config(c)
+  lines = str(e.value).splitlines()
+  assert [line.split("=")[0] for line in lines] == [
+      "config.rollout.vllm.gpu_memory_utilization", "config.rollout.vllm.max_num_seqs",
+      "config.rollout.vllm.sleep_level"]
+
+
+def test_config_check_names_bad_vllm_values(shared_data_dir):
+  del shared_data_dir  # configs/tiny.py reads GSM8K from it
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.rollout.vllm.sleep_level = 5
+  config_check.check(c)  # the jax engine ignores the vllm section
+  c.rollout.engine = "vllm"
+  with pytest.raises(config_check.ConfigError,
+                     match=r"^config.rollout.vllm.sleep_level=5: must be 0"):
+    config_check.check(c)
+
+
+def kinds(calls):
+  return [kind for kind, _ in calls if kind != "load_weights"]
+
+
+def test_sleeps_after_each_rollout_and_wakes_with_fresh_weights(stand_in):
+  engine = make(TINY)
+  config = sampling.SamplingConfig(max_new_tokens=4)
+  first = tiny_params()
+  second = jax.tree.map(lambda x: x + 0.01, first)  # as if after a learner step
+  engine.generate(PROMPTS, COUNTS, first, jax.random.key(0), config)
+  llm = stand_in.INSTANCES[0]
+  assert kinds(llm.calls) == ["LLM", "reset_prefix_cache", "generate", "sleep"]
+  del llm.calls[:]
+  engine.generate(PROMPTS, COUNTS, second, jax.random.key(1), config)
+  # Weights awake, all loaded, then the KV cache; generate; sleep again.
+  calls = [kind for kind, _ in llm.calls]
+  assert llm.calls[0] == ("wake_up", ["weights"]) and llm.calls[-4] == ("wake_up", ["kv_cache"])
+  assert set(calls[1:-4]) == {"load_weights"}
+  assert calls[-3:] == ["reset_prefix_cache", "generate", "sleep"] and llm.calls[-1][1] == 2
+  # What vLLM generated with are the second parameters.
+  for name, array in export.hf_state_dict(TINY, second, dtype="float32"):
+    np.testing.assert_array_equal(llm.generated_with[name][2], array, err_msg=name)
+
+
+def test_sleep_level_zero_keeps_vllm_awake_and_reloads_only_new_weights(stand_in):
+  engine = make(TINY, sleep_level=0)
+  params = tiny_params()
+  config = sampling.SamplingConfig(max_new_tokens=4)
+  for _ in range(2):
+    engine.generate(PROMPTS, COUNTS, params, jax.random.key(0), config)
+  llm = stand_in.INSTANCES[0]
+  assert kinds(llm.calls) == ["LLM", "reset_prefix_cache", "generate", "generate"]
+  assert llm.kwargs["enable_sleep_mode"] is False
+
+
+def test_outputs_are_prompt_major_with_the_stand_ins_tokens(stand_in):
+  engine = make(TINY)
+  out = engine.generate(PROMPTS, COUNTS, tiny_params(), jax.random.key(3),
+                        sampling.SamplingConfig(max_new_tokens=5))
+  np.testing.assert_array_equal(out.prompt_index_N, np.repeat(np.arange(6), COUNTS))
+  seeds = np.asarray(jax.random.randint(jax.random.key(3), (6,), 0, 2**31 - 1))
+  first = [vllm_stand_in._token(PROMPTS[0], 0, int(seeds[0]), j, 96) for j in range(5)]
+  n = int(out.lengths_N[0])
+  assert list(out.tokens_NxT[0, :n]) == first[:n]
+  assert out.mask_NxT.sum() == out.lengths_N.sum()
+
+
+@pytest.mark.parametrize("counts,groups", [(COUNTS, 2), ([8] * 7 + [7] * 9, 8),
+                                           ([0, 0, 5], 4), ([1] * 5, 2)])
+def test_prompt_split_is_contiguous_balanced_and_complete(counts, groups):
+  ranges = vllm_setup.split_prompts(np.array(counts), groups)
+  assert ranges[0][0] == 0 and ranges[-1][1] == len(counts)
+  assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+  rows = [sum(counts[a:b]) for a, b in ranges]
+  assert max(rows) - min(rows) <= 2 * max(counts)
+  assert vllm_setup.split_prompts(np.array([8] * 16), 8) == [(2 * g, 2 * g + 2)
+                                                            for g in range(8)]
+
+
+QWEN7B = models.ModelConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                            intermediate_size=18944, num_layers=28, num_heads=28,
+                            num_kv_heads=4, head_dim=128, tie_word_embeddings=False,
+                            attention_bias=True, dtype="bfloat16")
+
+
+def test_memory_splits_that_cannot_fit_are_refused_with_one_line():
+  options = vllm_setup.VllmOptions(max_model_len=9216, gpu_memory_utilization=0.3)
+  gpu = 80 * vllm_setup.GIB
+  with pytest.raises(ValueError) as e:  # JAX's default 0.75 and vLLM's 0.3
+    vllm_setup.plan_split(QWEN7B, options, gpu, jax_fraction=0.75)
+  assert len(str(e.value).splitlines()) == 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" in str(e.value)
+  small = vllm_setup.VllmOptions(max_model_len=9216, gpu_memory_utilization=0.15)
+  with pytest.raises(ValueError) as e:  # 12 GiB cannot hold 14.2 GiB of bfloat16 weights
+    vllm_setup.plan_split(QWEN7B, small, gpu, jax_fraction=None)
+  assert len(str(e.value).splitlines()) == 1 and "weights (14.2 GiB" in str(e.value)
+  # Split over two GPUs the weights fit; the KV cache holds whole sequences.
+  split = vllm_setup.plan_split(
+      QWEN7B, vllm_setup.VllmOptions(max_model_len=9216, gpu_memory_utilization=0.15,
+                                     tensor_parallel_size=2), gpu, jax_fraction=None)
+  assert split.kv_sequences == int((0.15 * 80 - 14.19 / 2 - 2) // (split.kv_gib_per_sequence))
+  assert vllm_setup.plan_split(QWEN7B, options, gpu, jax_fraction=0.6).kv_sequences > 0
+  edge = vllm_setup.VllmOptions(max_model_len=9216, gpu_memory_utilization=0.28)
+  assert vllm_setup.plan_split(QWEN7B, edge, gpu, jax_fraction=0.67).kv_sequences == 12
+  monkey_env = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+  assert vllm_setup.jax_held_fraction(monkey_env) is None
+  assert vllm_setup.jax_held_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}) == 0.5
+  assert vllm_setup.jax_held_fraction({}) == 0.75
+
+
+def test_the_engine_refuses_a_split_before_starting_vllm(stand_in, monkeypatch):
+  monkeypatch.setattr(vllm_engine, "_device_bytes", lambda rank: 2 * vllm_setup.GIB)
+  with pytest.raises(ValueError, match="gives vLLM 0.6 GiB of the 2.0 GiB GPU"):
+    make(TINY)
+  assert not stand_in.INSTANCES
+  with pytest.raises(ValueError, match="needs 2 JAX processes"):
+    vllm_setup.ProcessLayout.create(2, 0, 1, 1)
+  with pytest.raises(ValueError, match="one GPU per process"):
+    vllm_setup.ProcessLayout.create(1, 0, 2, 8)
+
+
+def completion(ids, logps, finish):
+  return types.SimpleNamespace(
+      token_ids=ids, finish_reason=finish,
+      logprobs=[{t: types.SimpleNamespace(logprob=lp), 99: types.SimpleNamespace(logprob=-9.)}
+                for t, lp in zip(ids, logps)])
+
+
+def test_vllm_outputs_become_a_prompt_major_rollout():
+  results = [  # prompt 1 asks for 0 samples, so vLLM gets two requests
+      types.SimpleNamespace(outputs=[completion([7, 8, 2], [-0.1, -0.2, -0.3], "stop"),
+                                     completion([4, 4, 4, 4], [-1.0] * 4, "length")]),
+      types.SimpleNamespace(outputs=[completion([6], [-0.5], "stop")]),
+  ]
+  config = sampling.SamplingConfig(max_new_tokens=4)
+  out = vllm_engine.finish(vllm_engine.raw_rows(results, [2, 0, 1], 4, (2,), pad_id=0),
+                           config, None, pad_id=0)
+  np.testing.assert_array_equal(out.prompt_index_N, [0, 0, 2])
+  np.testing.assert_array_equal(out.tokens_NxT, [[7, 8, 2, 0], [4, 4, 4, 4], [6, 0, 0, 0]])
+  np.testing.assert_array_equal(out.lengths_N, [3, 4, 1])
+  np.testing.assert_allclose(out.logprobs_NxT[0], [-0.1, -0.2, -0.3, 0.0])
+  np.testing.assert_array_equal(out.truncated_N, [False, True, False])
+  with pytest.raises(ValueError, match="returned 1 outputs for 2 prompts"):
+    vllm_engine.raw_rows(results[:1], [2, 0, 1], 4, (2,), pad_id=0)
 
 
 def test_sampling_params_follow_the_config():
@@ -58,43 +298,47 @@ def test_sampling_params_follow_the_config():
   assert sampled["stop"] == ["</s>"] and sampled["include_stop_str_in_output"]
 
 
-def completion(ids, logps, finish):
-  return types.SimpleNamespace(
-      token_ids=ids, finish_reason=finish,
-      logprobs=[{t: types.SimpleNamespace(logprob=lp), 99: types.SimpleNamespace(logprob=-9.)}
-                for t, lp in zip(ids, logps)])
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
-def test_vllm_outputs_become_a_prompt_major_rollout():
-  eos = (2,)
-  results = [  # prompt 1 asks for 0 samples, so vLLM gets two requests
-      types.SimpleNamespace(outputs=[completion([7, 8, 2], [-0.1, -0.2, -0.3], "stop"),
-                                     completion([4, 4, 4, 4], [-1.0] * 4, "length")]),
-      types.SimpleNamespace(outputs=[completion([6], [-0.5], "stop")]),
-  ]
-  config = sampling.SamplingConfig(max_new_tokens=4)
-  out = vllm_engine.to_rollout(results, [2, 0, 1], config, eos, None, pad_id=0)
-  np.testing.assert_array_equal(out.prompt_index_N, [0, 0, 2])
-  np.testing.assert_array_equal(out.tokens_NxT, [[7, 8, 2, 0], [4, 4, 4, 4], [6, 0, 0, 0]])
-  np.testing.assert_array_equal(out.lengths_N, [3, 4, 1])
-  np.testing.assert_array_equal(out.mask_NxT.sum(1), [3, 4, 1])
-  np.testing.assert_allclose(out.logprobs_NxT[0], [-0.1, -0.2, -0.3, 0.0])
-  np.testing.assert_allclose(out.logprobs_NxT[2], [-0.5, 0, 0, 0])
-  # Row 2 stopped on a stop token that is not EOS; only row 1 ran out of tokens.
-  np.testing.assert_array_equal(out.truncated_N, [False, True, False])
-  with pytest.raises(ValueError, match="returned 1 outputs for 2 prompts"):
-    vllm_engine.to_rollout(results[:1], [2, 0, 1], config, eos, None, pad_id=0)
+@pytest.mark.slow
+def test_two_processes_split_the_rows_and_gather_them_in_order(stand_in):
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "tests.vllm_two_process_main"], cwd=REPO, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(pid), PYTHONPATH=REPO)) for pid in range(2)]
+  results = []
+  for proc in procs:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    results.append(json.loads(out.strip().splitlines()[-1]))
 
-
-def test_memory_split_is_checked_when_jax_owns_a_gpu(monkeypatch):
-  monkeypatch.setattr(vllm_engine.jax, "devices",
-                      lambda: [types.SimpleNamespace(platform="gpu")])
-  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-  with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
-    vllm_engine.check_memory_split(0.3)
-  vllm_engine.check_memory_split(0.2)  # 0.75 + 0.2 fits
-  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  vllm_engine.check_memory_split(0.9)
+  # One process, the same prompts and key: the reference order and values.
+  engine = make(TINY)
+  ref = engine.generate(PROMPTS, COUNTS, tiny_params(), jax.random.key(7),
+                        sampling.SamplingConfig(max_new_tokens=5))
+  ranges = vllm_setup.split_prompts(np.array(COUNTS), 2)
+  for pid, r in enumerate(results):
+    assert r["env"] == dict(RANK=str(pid), WORLD_SIZE="2", LOCAL_RANK="0",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1))
+    assert r["backend"] == "external_launcher" and r["seed"] == pid
+    a, b = ranges[pid]  # each process generated only its own prompts
+    assert r["generated"] == [PROMPTS[i] for i in range(a, b) if COUNTS[i]]
+    np.testing.assert_array_equal(r["tokens"], ref.tokens_NxT)
+    np.testing.assert_array_equal(r["prompt_index"], ref.prompt_index_N)
+    np.testing.assert_allclose(r["logprobs"], ref.logprobs_NxT)
+    assert r["texts"] == ref.texts
+    expected = list(export.hf_state_dict(TINY, tiny_params()))
+    assert r["loaded"] == [n for n, _ in expected]  # every tensor, whole on each process
+    np.testing.assert_allclose([r["loaded_sums"][n] for n, _ in expected],
+                               [a.astype(np.float64).sum() for _, a in expected], rtol=1e-6)
+  assert ranges[0][1] - ranges[0][0] > 0 and ranges[1][1] - ranges[1][0] > 0
 
 
 def test_choosing_vllm_where_it_cannot_run_says_why():
@@ -114,8 +358,45 @@ def test_vllm_greedy_matches_the_jax_engine():
   policy, tokenizer = models.from_pretrained(), models.load_tokenizer()
   prompts = [tokenizer("The capital of France is")["input_ids"], [1, 2, 3, 4]]
   config = sampling.SamplingConfig(greedy=True, max_new_tokens=16)
-  outs = [sampling.make_engine(name, policy.config, tokenizer).generate(
-      prompts, 1, policy.params, jax.random.key(0), config) for name in ("jax", "vllm")]
-  np.testing.assert_array_equal(outs[0].tokens_NxT, outs[1].tokens_NxT)
-  np.testing.assert_allclose(outs[0].logprobs_NxT, outs[1].logprobs_NxT, atol=1e-3)
-  assert json.dumps(outs[0].texts) == json.dumps(outs[1].texts)
+  options = vllm_setup.VllmOptions(max_model_len=256, gpu_memory_utilization=0.2)
+  outs = [sampling.make_engine("jax", policy.config, tokenizer).generate(
+      prompts, 1, policy.params, jax.random.key(0), config)]
+  vllm = sampling.make_engine("vllm", policy.config, tokenizer, options=options)
+  for _ in range(2):  # the second call wakes vLLM from sleep and reloads the weights
+    outs.append(vllm.generate(prompts, 1, policy.params, jax.random.key(0), config))
+  for out in outs[1:]:
+    np.testing.assert_array_equal(outs[0].tokens_NxT, out.tokens_NxT)
+    np.testing.assert_allclose(outs[0].logprobs_NxT, out.logprobs_NxT, atol=1e-3)
+    assert json.dumps(outs[0].texts) == json.dumps(out.texts)
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_every_jax_phase_while_vllm_sleeps(stand_in, monkeypatch, tmp_path,
+                                                            shared_data_dir):
+  del shared_data_dir  # configs/tiny.py reads GSM8K from it
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.rollout.engine = "vllm"
+  c.reward.plugins, c.reward.name = "tests.reward_plugins", "test_even_length"
+  train_step = learner.train_step
+
+  def logged_train_step(*args, **kwargs):
+    stand_in.INSTANCES[0].calls.append(("learner", None))
+    return train_step(*args, **kwargs)
+  monkeypatch.setattr(learner, "train_step", logged_train_step)
+  run = trainer_lib.Trainer(c, str(tmp_path))
+  llm = stand_in.INSTANCES[0]
+  assert llm.kwargs["max_model_len"] == 192 + 16
+  run.train_step()
+  cfg = run.state.model_cfg  # the learner donates its params: take them as HF tensors now
+  after_first = list(export.hf_state_dict(cfg, run.state.params, dtype=cfg.dtype))
+  run.train_step()
+  order = [(k, d) for k, d in llm.calls if k in ("generate", "sleep", "wake_up", "learner")]
+  order = [k if k != "wake_up" else f"wake_up {d[0]}" for k, d in order]
+  assert order == ["generate", "sleep", "learner", "learner", "wake_up weights",
+                   "wake_up kv_cache", "generate", "sleep", "learner", "learner"]
+  # The second rollout ran on the weights the first learner phase produced.
+  for name, array in after_first:
+    np.testing.assert_array_equal(llm.generated_with[name][2], array, err_msg=name)

@@ -1,38 +1,41 @@
-"""The vLLM rollout engine (NVIDIA GPUs; vLLM is an optional dependency).
+"""The vLLM rollout engine (NVIDIA GPUs; vLLM >= 0.10.2 is an optional dependency).
 
-UNTESTED END TO END HERE: vLLM needs CUDA and cannot be installed in the project's
-environments. What is tested without it: the parameter hand-off (names and layouts,
-through `exgrpo_jax.models.export.hf_state_dict`), the request building and the
-conversion of vLLM outputs into `RolloutOutput`; `tests/sampling_vllm_test.py` gates the
-end-to-end test on `import vllm` and a CUDA GPU.
+NOT RUN AGAINST A REAL vLLM: vLLM needs CUDA and cannot be installed where this project is
+built. The engine is written to vLLM's documented API (`LLM`, `LLM.generate`,
+`LLM.collective_rpc`, `LLM.sleep(level=)`, `LLM.wake_up(tags=)`, `SamplingParams`) and
+tested through a stand-in `vllm` module that implements only those calls and records them
+(tests/vllm_stand_in.py); `tests/sampling_vllm_test.py` runs the real end-to-end test
+where `import vllm` works and a CUDA GPU is present.
 
-Weights: the engine starts vLLM with `load_format="dummy"` (nothing read from disk; a
-directory holding only config.json and the tokenizer is enough) and, whenever
-`generate` sees parameters it has not loaded yet (or on `update_weights`), streams them
-in memory as (HF name, tensor) pairs into the model's own `load_weights`, called inside
-the worker through `LLM.collective_rpc`. The engine core runs in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM is imported), so the tensors are
-handed over by reference, never pickled or written to disk. Today each tensor makes one
-device -> host -> device trip (`hf_state_dict` yields numpy arrays); a DLPack hand-off
-would remove it.
+Options, GPU memory split and process layout: see `vllm_setup` (the `rollout.vllm`
+config section; one JAX process per GPU, TRL's colocate pattern).
 
-GPU memory: JAX and vLLM share the GPU and each reserves memory up front.
-  * JAX preallocates XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the GPU when its
-    backend starts; set it (or XLA_PYTHON_CLIENT_PREALLOCATE=false) before importing
-    JAX, e.g. XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 for the learner.
-  * vLLM's `gpu_memory_utilization` (here default 0.3) is the fraction of the whole GPU
-    it may use for weights, activations and KV cache; it must fit in what JAX left free.
-  * Keep the two below ~0.9 together (CUDA contexts and the torch allocator need the
-    rest). The engine refuses to start when JAX has preallocated and the sum exceeds
-    0.95, instead of letting vLLM fail on a confusing out-of-memory error.
+Weights: vLLM starts with `load_format="dummy"` (a directory with config.json and the
+tokenizer is enough). Whenever `generate` gets parameters it has not loaded (and after
+every sleep), each tensor is made on the device: its layer sliced from our stacked axis,
+cast to the compute dtype, laid out as Hugging Face's through the export's name map
+(`models.hf_keys`), gathered whole onto this process's GPU, and handed to torch by
+DLPack, without a copy or a trip through the host. Chunks of about 1 GiB go to the
+model's own `load_weights` inside the worker, through `LLM.collective_rpc`; the worker
+lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; the external launcher across
+processes), so tensors are passed by reference.
 
-Log-probs: vLLM runs with `logprobs_mode="processed_logprobs"` (after temperature), which
-is the JAX engine's log_softmax(logits / T) whenever top-k/top-p are off (the trainer's
-setting); with them on, vLLM renormalises over the kept tokens, so its values are
-higher than the JAX engine's by -log(kept mass). Greedy requests run at temperature 0,
-for which vLLM reports log-probs at T = 1. Entropy is not available.
+Sleep (`rollout.vllm.sleep_level` > 0): every `generate` call ends with `LLM.sleep`, so
+every JAX phase (trajectory selection, old log-probs, the learner, evaluation scoring)
+runs with vLLM's memory released. The next call wakes the weights, loads the current
+parameters into them, then wakes the KV cache (vLLM's documented order for weight
+updates: no KV cache is held while weights are written) and clears the prefix cache.
+
+Log-probs: vLLM runs with `logprobs_mode="processed_logprobs"` (after temperature; vLLM
+0.10.2 added it), which equals the JAX engine's log_softmax(logits / T) when top-k/top-p
+are off; with them on, vLLM renormalises over the kept tokens. Greedy requests run at
+T = 0, for which vLLM reports log-probs at T = 1. They come from vLLM's kernels in the
+compute dtype, so with `algo.old_logp_source="auto"` the trainer recomputes the old
+log-probs with the learner for vLLM rollouts; only "rollout" puts these in the loss.
+Entropy is not available.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -41,13 +44,15 @@ import weakref
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from exgrpo_jax.models import config as config_lib
-from exgrpo_jax.models import export
+from exgrpo_jax.models import hf_keys
 from exgrpo_jax.sampling import base
 from exgrpo_jax.sampling import outputs
+from exgrpo_jax.sampling import vllm_setup
 
-# Tensors per load_weights call: bounds the host memory of one hand-off.
+# Bytes of converted tensors per load_weights call: bounds the extra device memory.
 _LOAD_CHUNK_BYTES = 1 << 30
 
 
@@ -56,7 +61,8 @@ def check_available() -> None:
   if importlib.util.find_spec("vllm") is None:
     raise ImportError(
         "rollout engine 'vllm' needs the vllm package, which is not installed "
-        "(pip install vllm; it requires an NVIDIA GPU with CUDA). Use engine 'jax' instead.")
+        "(pip install -e '.[vllm]'; it requires an NVIDIA GPU with CUDA). Use engine 'jax' "
+        "instead.")
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -67,29 +73,50 @@ def check_available() -> None:
         "(torch.cuda.is_available() is False). Use engine 'jax' instead.")
 
 
-def check_memory_split(gpu_memory_utilization: float) -> None:
-  """Refuses a JAX + vLLM memory split that cannot fit on one GPU."""
-  if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0"):
-    return
-  if not any(d.platform == "gpu" for d in jax.devices()):
-    return
-  jax_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-  if jax_fraction + gpu_memory_utilization > 0.95:
-    raise ValueError(
-        f"JAX preallocates {jax_fraction:.2f} of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION) "
-        f"and vLLM asks for gpu_memory_utilization={gpu_memory_utilization:.2f}; together "
-        "they exceed 0.95. Lower one of them (set the environment variable before JAX "
-        "starts) or set XLA_PYTHON_CLIENT_PREALLOCATE=false.")
+def _device_bytes(local_rank: int) -> int:
+  import torch  # pylint: disable=g-import-not-at-top
+  return torch.cuda.get_device_properties(local_rank).total_memory
 
 
-def weight_chunks(cfg: config_lib.ModelConfig, params, max_bytes: int = _LOAD_CHUNK_BYTES):
-  """Yields lists of (HF/vLLM name, float32 numpy array), at most ~max_bytes each."""
+@functools.lru_cache(maxsize=None)
+def _converter(sharding, layout: str, dtype: str, stacked: bool):
+  """Jitted: (our tensor, layer) -> that layer's HF tensor in `dtype`, laid out as `sharding`."""
+  def convert(x, layer):
+    if stacked:
+      x = jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+    return hf_keys.to_hf(x.astype(config_lib.dtype_from_name(dtype)), layout)
+  return jax.jit(convert, out_shardings=sharding)
+
+
+def _whole_on_this_process(leaf):
+  """The sharding that puts a whole copy of `leaf` on each of this process's devices."""
+  if isinstance(leaf.sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def hf_device_tensors(cfg: config_lib.ModelConfig, params, dtype: str):
+  """Yields (HF name, whole single-device jax.Array in `dtype`) for every tensor."""
+  for template, path, layout in hf_keys.key_table(cfg):
+    leaf = params
+    for key in path:
+      leaf = leaf[key]
+    convert = _converter(_whole_on_this_process(leaf), layout, dtype, "{i}" in template)
+    for layer, name in enumerate(hf_keys.hf_names(template, cfg.num_layers)):
+      yield name, convert(leaf, np.int32(layer)).addressable_shards[0].data
+
+
+def weight_chunks(cfg: config_lib.ModelConfig, params, dtype: str,
+                  max_bytes: int = _LOAD_CHUNK_BYTES):
+  """Lists of (HF name, torch tensor sharing the jax array's memory), ~max_bytes each."""
+  import torch  # pylint: disable=g-import-not-at-top
   chunk, size = [], 0
-  for name, array in export.hf_state_dict(cfg, params, dtype="float32"):
+  for name, array in hf_device_tensors(cfg, params, dtype):
     if chunk and size + array.nbytes > max_bytes:
       yield chunk
       chunk, size = [], 0
-    chunk.append((name, array))
+    # DLPack makes torch's stream wait for JAX's computation of the array.
+    chunk.append((name, torch.from_dlpack(array)))
     size += array.nbytes
   if chunk:
     yield chunk
@@ -107,28 +134,43 @@ def sampling_params_kwargs(sampling: base.SamplingConfig, count: int, seed: int,
       include_stop_str_in_output=True, skip_special_tokens=True)
 
 
-def to_rollout(request_outputs, counts, sampling: base.SamplingConfig, eos_ids, tokenizer,
-               pad_id: int) -> base.RolloutOutput:
-  """Converts vLLM `RequestOutput`s (one per prompt with a count > 0, in order)."""
-  live = [i for i, c in enumerate(counts) if c > 0]
+def raw_rows(request_outputs, counts, max_new_tokens: int, eos_ids, pad_id: int,
+             first_prompt: int = 0) -> dict:
+  """vLLM `RequestOutput`s (one per prompt with a count > 0, in order) as padded arrays."""
+  live = [first_prompt + i for i, c in enumerate(counts) if c > 0]
   if len(request_outputs) != len(live):
     raise ValueError(f"vLLM returned {len(request_outputs)} outputs for {len(live)} prompts")
-  T = sampling.max_new_tokens
   rows = [(i, c) for i, r in zip(live, request_outputs) for c in r.outputs]
-  tokens_NxT = np.full((len(rows), T), pad_id, np.int32)
-  logprobs_NxT = np.zeros((len(rows), T), np.float32)
-  lengths_N = np.zeros(len(rows), np.int32)
-  eos_N = np.zeros(len(rows), bool)
+  T = max_new_tokens
+  raw = dict(tokens=np.full((len(rows), T), pad_id, np.int32),
+             logprobs=np.zeros((len(rows), T), np.float32),
+             lengths=np.zeros(len(rows), np.int32), eos=np.zeros(len(rows), bool),
+             prompt_index=np.array([i for i, _ in rows], np.int32).reshape(-1))
   for r, (_, completion) in enumerate(rows):
     ids = list(completion.token_ids)[:T]
-    tokens_NxT[r, :len(ids)] = ids
+    raw["tokens"][r, :len(ids)] = ids
     if completion.logprobs is not None:
-      logprobs_NxT[r, :len(ids)] = [lp[t].logprob for t, lp in zip(ids, completion.logprobs)]
-    lengths_N[r] = len(ids)
-    eos_N[r] = bool(ids) and ids[-1] in eos_ids and completion.finish_reason == "stop"
-  return outputs.finalize(tokens_NxT, logprobs_NxT, None, lengths_N, eos_N,
-                          np.array([i for i, _ in rows], np.int32), tokenizer,
-                          sampling.stop_strings, pad_id)
+      raw["logprobs"][r, :len(ids)] = [lp[t].logprob for t, lp in zip(ids, completion.logprobs)]
+    raw["lengths"][r] = len(ids)
+    raw["eos"][r] = bool(ids) and ids[-1] in eos_ids and completion.finish_reason == "stop"
+  return raw
+
+
+def finish(raw: dict, sampling: base.SamplingConfig, tokenizer,
+           pad_id: int) -> base.RolloutOutput:
+  """`raw_rows` (of all prompts) -> RolloutOutput: stop strings, masks, texts."""
+  return outputs.finalize(raw["tokens"], raw["logprobs"], None, raw["lengths"], raw["eos"],
+                          raw["prompt_index"], tokenizer, sampling.stop_strings, pad_id)
+
+
+def gather_rows(raw: dict, layout: vllm_setup.ProcessLayout, rows_per_group) -> dict:
+  """Every group's rows (its leader's copy), concatenated in group order, on every process."""
+  padded = max(rows_per_group)
+  mine = {k: np.concatenate([v, np.zeros((padded - len(v),) + v.shape[1:], v.dtype)])
+          for k, v in raw.items()}
+  every = multihost_utils.process_allgather(mine)
+  return {k: np.concatenate([np.asarray(every[k][layout.leader(g)])[:n]
+                             for g, n in enumerate(rows_per_group)]) for k in raw}
 
 
 def _load_weights(worker, weights):
@@ -138,29 +180,42 @@ def _load_weights(worker, weights):
 
 @base.ENGINES.register("vllm")
 class VllmEngine:
-  """Generates with an in-process vLLM `LLM` that receives our weights in memory.
+  """Generates with an in-process vLLM `LLM` that receives our weights on the device.
 
   Args:
     model_cfg: the policy's ModelConfig (its config.json is what vLLM builds).
     tokenizer: HF tokenizer (saved next to the config for vLLM; decodes texts).
-    gpu_memory_utilization: vLLM's share of the GPU (see the module docstring).
-    dtype: vLLM's compute dtype (default: the model config's).
-    max_model_len: longest prompt + response (default: max_position_embeddings).
-    seed: vLLM's engine seed (per-request seeds come from the call's key).
+    options: `vllm_setup.VllmOptions` (default: its defaults, max_model_len = the
+      model's max_position_embeddings).
     ignore_eos: never stop on EOS (benchmarks).
-    **llm_kwargs: passed to `vllm.LLM` (e.g. enforce_eager=True).
+    **llm_kwargs: passed on to `vllm.LLM`.
   """
 
-  def __init__(self, model_cfg, tokenizer, gpu_memory_utilization: float = 0.3,
-               dtype: str | None = None, max_model_len: int | None = None, seed: int = 0,
+  def __init__(self, model_cfg, tokenizer, options: vllm_setup.VllmOptions | None = None,
                ignore_eos: bool = False, **llm_kwargs):
     check_available()
-    check_memory_split(gpu_memory_utilization)
     if tokenizer is None:
       raise ValueError("the vllm engine needs the tokenizer")
+    options = options or vllm_setup.VllmOptions(model_cfg.max_position_embeddings)
+    lines = options.problems()
+    if lines:
+      raise ValueError("\n".join(lines))
+    self.layout = vllm_setup.ProcessLayout.create(
+        options.tensor_parallel_size, jax.process_index(), jax.process_count(),
+        jax.local_device_count())
+    device = jax.local_devices()[0]
+    local_rank = device.local_hardware_id if device.platform == "gpu" else 0
+    jax_fraction = vllm_setup.jax_held_fraction() if device.platform == "gpu" else None
+    self.memory = vllm_setup.plan_split(model_cfg, options, _device_bytes(local_rank),
+                                        jax_fraction)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if self.layout.processes > 1:
+      for name, value in vllm_setup.launcher_env(self.layout, local_rank).items():
+        os.environ.setdefault(name, value)
+      llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
     import vllm  # pylint: disable=g-import-not-at-top
-    self.model_cfg, self.tokenizer = model_cfg, tokenizer
+    self._vllm = vllm
+    self.model_cfg, self.tokenizer, self.options = model_cfg, tokenizer, options
     self.eos_ids = base.eos_ids(model_cfg, tokenizer)
     self.pad_id = base.pad_id(model_cfg, tokenizer)
     self.ignore_eos = ignore_eos
@@ -168,13 +223,13 @@ class VllmEngine:
     with open(os.path.join(self._dir.name, "config.json"), "w") as f:
       json.dump(config_lib.to_hf_config(model_cfg, torch_dtype=model_cfg.param_dtype), f)
     tokenizer.save_pretrained(self._dir.name)
-    self._vllm = vllm
-    self.llm = vllm.LLM(
-        model=self._dir.name, load_format="dummy", dtype=dtype or model_cfg.dtype,
-        gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=max_model_len or model_cfg.max_position_embeddings, seed=seed,
-        logprobs_mode="processed_logprobs", **llm_kwargs)
+    # A tensor-parallel group must sample alike, so its ranks share the seed.
+    self.llm = vllm.LLM(model=self._dir.name, load_format="dummy", dtype=model_cfg.dtype,
+                        seed=options.seed + self.layout.group,
+                        logprobs_mode="processed_logprobs",
+                        **options.llm_kwargs(), **llm_kwargs)
     self._loaded = []
+    self._asleep = False
 
   def _is_loaded(self, params) -> bool:
     leaves = jax.tree.leaves(params)
@@ -182,29 +237,53 @@ class VllmEngine:
         ref() is leaf for ref, leaf in zip(self._loaded, leaves))
 
   def update_weights(self, params) -> None:
-    """Loads `params` into vLLM's model (in memory) and drops its prefix cache."""
-    import torch  # pylint: disable=g-import-not-at-top
-    for chunk in weight_chunks(self.model_cfg, params):
-      self.llm.collective_rpc(
-          _load_weights, args=([(name, torch.from_numpy(a)) for name, a in chunk],))
-    self.llm.reset_prefix_cache()
+    """Loads `params` into vLLM's model (on the device, compute dtype)."""
+    for chunk in weight_chunks(self.model_cfg, params, self.model_cfg.dtype):
+      self.llm.collective_rpc(_load_weights, args=(chunk,))
     self._loaded = [weakref.ref(leaf) for leaf in jax.tree.leaves(params)]
 
+  def release_memory(self) -> None:
+    """Puts vLLM to sleep (frees its KV cache and weights) unless sleep_level is 0."""
+    if self.options.sleep_level and not self._asleep:
+      self.llm.sleep(level=self.options.sleep_level)
+      self._asleep = True
+      self._loaded = []  # level 1 restores the weights it offloaded; reload ours anyway
+
+  def resume(self, params) -> None:
+    """Wakes vLLM with `params` loaded: weights first, then the KV cache."""
+    if self._asleep:
+      self.llm.wake_up(tags=["weights"])
+      self.update_weights(params)
+      self.llm.wake_up(tags=["kv_cache"])
+      self._asleep = False
+    elif not self._is_loaded(params):
+      self.update_weights(params)
+    else:
+      return
+    self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+
   def generate(self, prompt_ids, n, params, key, sampling: base.SamplingConfig):
-    """See `base.RolloutEngine`; loads `params` first unless they are already loaded."""
+    """See `base.RolloutEngine`; every process returns all rows, in prompt order."""
     if sampling.return_entropy:
       raise ValueError("the vllm engine cannot return entropy; use engine 'jax' or "
                        "compute it with the learner")
     counts = base.sample_counts(prompt_ids, n)
-    if not self._is_loaded(params):
-      self.update_weights(params)
-    seeds = np.asarray(jax.random.randint(key, (len(counts),), 0, 2**31 - 1))
-    live = [i for i, c in enumerate(counts) if c > 0]
-    if not live:
+    if not counts.sum():
       return outputs.empty(sampling.max_new_tokens, False)
-    requests = [{"prompt_token_ids": list(map(int, prompt_ids[i]))} for i in live]
-    params_list = [self._vllm.SamplingParams(**sampling_params_kwargs(
-        sampling, int(counts[i]), int(seeds[i]), self.eos_ids, self.ignore_eos))
-                   for i in live]
-    results = self.llm.generate(requests, sampling_params=params_list, use_tqdm=False)
-    return to_rollout(results, counts, sampling, self.eos_ids, self.tokenizer, self.pad_id)
+    # Seeds per prompt, drawn for all prompts: samples do not depend on the split.
+    seeds = np.asarray(jax.random.randint(key, (len(counts),), 0, 2**31 - 1))
+    ranges = vllm_setup.split_prompts(counts, self.layout.num_groups)
+    start, end = ranges[self.layout.group]
+    self.resume(params)
+    live = [i for i in range(start, end) if counts[i] > 0]
+    results = self.llm.generate(
+        [{"prompt_token_ids": list(map(int, prompt_ids[i]))} for i in live],
+        sampling_params=[self._vllm.SamplingParams(**sampling_params_kwargs(
+            sampling, int(counts[i]), int(seeds[i]), self.eos_ids, self.ignore_eos))
+                         for i in live], use_tqdm=False) if live else []
+    self.release_memory()
+    raw = raw_rows(results, counts[start:end], sampling.max_new_tokens, self.eos_ids,
+                   self.pad_id, first_prompt=start)
+    if self.layout.processes > 1:
+      raw = gather_rows(raw, self.layout, [int(counts[a:b].sum()) for a, b in ranges])
+    return finish(raw, sampling, self.tokenizer, self.pad_id)

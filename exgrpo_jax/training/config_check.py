@@ -22,6 +22,7 @@ from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
 from exgrpo_jax.rewards import graders
+from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import phase
 
 # What a checkpoint's buffer, params and question stream were built for (prefixes).
@@ -90,6 +91,11 @@ def check(c) -> None:
   _range(c, "rollout.top_p", 0, 1, low_open=True)
   _range(c, "rollout.top_k", 0)
   _range(c, "rollout.max_new_tokens", 0, low_open=True)
+  if r.engine == "vllm":
+    try:
+      vllm_setup.VllmOptions.from_config(c)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
   try:
     graders.load_plugins(c.reward.plugins)  # before reward.name: plugins add names

@@ -27,6 +27,7 @@ from exgrpo_jax import distributed
 from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax.replay import buckets
+from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import actor as actor_lib
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import grading
@@ -54,7 +55,8 @@ class Trainer:
     st = self.state
     # max_rows bounds the JAX sampler's KV cache (BUILD.md, "Memory plan").
     options = ({"max_rows": config.rollout.max_rows or None}
-               if config.rollout.engine == "jax" else {})
+               if config.rollout.engine == "jax" else
+               {"options": vllm_setup.VllmOptions.from_config(config)})
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
     self.grader = grading.Grader(config)
