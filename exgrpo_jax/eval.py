@@ -15,6 +15,7 @@ every data_source, so each benchmark still appears.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -94,7 +95,9 @@ def main(argv=None) -> int:
   try:
     questions = []
     for path in args.data:
-      loaded = data.load_questions(path, reward_name=args.reward)
+      # Relative to the working directory, else to the data directory (prepare_data's).
+      loaded = data.load_questions(path, reward_name=args.reward,
+                                   data_dir=os.getcwd() if os.path.exists(path) else "")
       for message in loaded.skipped:
         log(f"[eval] skipped {message}")
       questions += select(loaded.questions, args.limit, args.sources)

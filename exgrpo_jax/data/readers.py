@@ -133,7 +133,7 @@ def _read_jsonl(path: str, stem: str) -> Table:
       if not raw.strip():
         continue
       try:
-        row = json.loads(raw.decode("utf-8"))
+        row = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
       except UnicodeDecodeError as e:
         row = BadRow(f"line {line_no}: {_not_utf8(raw, e)}")
       except json.JSONDecodeError as e:

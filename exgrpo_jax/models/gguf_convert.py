@@ -95,9 +95,16 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict):
       yield f"{_TOP_LEVEL[base]}.{suffix}", weights
 
 
+def import_transformers():
+  """transformers, without its import-time notice that PyTorch is absent (it is not needed)."""
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+  import transformers  # pylint: disable=g-import-not-at-top
+  return transformers
+
+
 def save_tokenizer(meta: dict, directory: str) -> None:
   """The file's tokenizer, built as transformers builds it from a GGUF, saved to `directory`."""
-  import transformers  # pylint: disable=g-import-not-at-top
+  transformers = import_transformers()
   from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping  # pylint: disable=g-import-not-at-top
   groups = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items()
                     if f"tokenizer.{key}" in meta}

@@ -171,9 +171,8 @@ def from_pretrained(path: str | None = None, dtype: str = "float32",
 
 def load_tokenizer(path: str | None = None):
   """The HF tokenizer of a model directory or .gguf file (pad token defaults to EOS)."""
-  from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
   hf_dir = resolve_hf_dir(path or default_model_path())
-  tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+  tokenizer = gguf_convert.import_transformers().AutoTokenizer.from_pretrained(hf_dir)
   if tokenizer.pad_token is None:
     tokenizer.pad_token = tokenizer.eos_token
   return tokenizer

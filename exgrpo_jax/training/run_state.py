@@ -99,7 +99,7 @@ class RunState:
     """Questions of `path` rendered with the configured template (too long: dropped)."""
     cfg = self.config
     loaded = data.load_questions(path, skip_bad_rows=cfg.data.skip_bad_rows, limit=limit,
-                                 reward_name=cfg.reward.name)
+                                 reward_name=cfg.reward.name, data_dir=cfg.data.dir)
     prompts, dropped = data.render_prompts(loaded.questions, self.tokenizer,
                                            template=cfg.data.template,
                                            max_prompt_tokens=cfg.data.max_prompt_tokens)
@@ -159,7 +159,7 @@ class RunState:
     if self._eval_questions is None:
       self._eval_questions = data.load_questions(
           cfg.path, skip_bad_rows=self.config.data.skip_bad_rows, limit=cfg.limit,
-          reward_name=self.config.reward.name).questions
+          reward_name=self.config.reward.name, data_dir=self.config.data.dir).questions
     # Same template (system prompt included) and length limit as the training prompts.
     options = evaluation.EvalOptions(template=self.config.data.template, remove_system=False,
                                      max_prompt_tokens=self.config.data.max_prompt_tokens,
