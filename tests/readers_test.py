@@ -86,7 +86,8 @@ def test_relative_paths_resolve_against_data_dir_then_the_environment(tmp_path, 
   assert len(data.load_questions("toy.parquet").questions) == 2
   assert readers.missing("toy.parquet") is None
   monkeypatch.delenv(readers.ENV_VAR)
-  assert readers.default_dir().endswith(os.path.join("exgrpo_jax", "data"))
+  monkeypatch.setenv("EXGRPO_JAX_CACHE", str(tmp_path / "cache"))
+  assert readers.default_dir() == str(tmp_path / "cache" / "data")
   other = tmp_path / "elsewhere"
   with pytest.raises(data.DataError) as e:
     data.load_questions("toy.parquet", data_dir=str(other))
