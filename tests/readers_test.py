@@ -210,3 +210,20 @@ def test_train_reports_bad_data_in_one_line(tmp_path):
       f"exgrpo_jax.train: {path}: row 1, line 2 is not valid JSON: Expecting value "
       "(column 13)")
   assert "Traceback" not in result.stderr
+
+
+def test_eval_data_paths_try_the_working_directory_then_the_data_dir(tmp_path, monkeypatch,
+                                                                     capsys):
+  from exgrpo_jax import eval as eval_cli  # pylint: disable=g-import-not-at-top
+  (tmp_path / "prepared").mkdir()
+  _write_jsonl(tmp_path / "prepared" / "toy.jsonl", [{"problem": "1+1?", "answer": "2"}])
+  _write_jsonl(tmp_path / "local.jsonl", [{"problem": "2+2?", "answer": "4"}])
+  monkeypatch.setenv(readers.ENV_VAR, str(tmp_path / "prepared"))
+  monkeypatch.chdir(tmp_path)
+  # Both files are found; the source filter then leaves nothing (before any model loads).
+  assert eval_cli.main(["--data", "toy.jsonl", "--data", "local.jsonl", "--sources", "x"]) == 1
+  assert "error: no questions selected from ['toy.jsonl', 'local.jsonl']" in (
+      capsys.readouterr().err)
+  assert eval_cli.main(["--data", "nope.parquet"]) == 1
+  assert capsys.readouterr().err.startswith(
+      f"error: {tmp_path}/prepared/nope.parquet: no such file")
