@@ -66,7 +66,7 @@ class Question:
 
 @dataclasses.dataclass
 class LoadResult:
-  """Questions read from one file, and a message for every skipped row."""
+  """Questions read from one data spec, and a message for every skipped row."""
 
   path: str
   questions: list[Question]
@@ -77,7 +77,7 @@ class _RowError(Exception):
   """A problem in one column of one row; the caller adds the file and row.
 
   `unusable` marks rows that are well formed but cannot be graded (an empty ground
-  truth or question): those are always skipped and counted, never an error.
+  truth): those are always skipped and counted, never an error.
   """
 
   def __init__(self, column: str, message: str, unusable: bool = False):
