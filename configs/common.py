@@ -49,7 +49,10 @@ def base_config() -> ml_collections.ConfigDict:
       attention="auto",      # auto | xla | blockwise | cudnn | splash (models/attention.py)
   ))
 
+  # Relative data paths resolve against `dir`; "" = $EXGRPO_DATA_DIR, else
+  # ~/.cache/exgrpo_jax/data (where `python -m exgrpo_jax.prepare_data` writes).
   c.data = ml_collections.ConfigDict(dict(
+      dir="",
       train_path="",
       template="chat",        # chat | exgrpo_think | plain
       max_prompt_tokens=1024,
@@ -186,9 +189,9 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   variant, runlocal = parse_arg(arg)
   c = base_config()
   c.model.path = model_path  # a local HF directory; override with --config.model.path=...
-  c.data.train_path = "data/openr1_math_46k.parquet"
+  c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
   c.data.template = template
-  c.eval.path = "../shared/data/exgrpo_valid.parquet"
+  c.eval.path = "exgrpo_valid.parquet"
   c.train.steps = steps
   c.algo.delayed_start = delayed_start
   c.mesh.shape = mesh_shape

@@ -6,11 +6,7 @@ Small batch and lengths so one step takes well under a minute on 2 CPU cores. Va
 from configs/common.py: `--config=configs/smollm2_135m.py:onpolicy`, `:no_shaping`, ...
 """
 
-import os
-
 from configs import common
-
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 
 
 def get_config(arg=None):
@@ -20,7 +16,7 @@ def get_config(arg=None):
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
   c.model.remat = "none"
-  c.data.train_path = os.path.normpath(os.path.join(DATA, "gsm8k_train.parquet"))
+  c.data.train_path = "gsm8k_train.parquet"  # under data.dir
   c.data.template = "chat"
   c.data.max_prompt_tokens = 192
   c.rollout.k = 4
@@ -31,7 +27,7 @@ def get_config(arg=None):
   c.train.steps = 4
   c.train.batch_questions = 4
   c.train.checkpoint_every = 2
-  c.eval.path = os.path.normpath(os.path.join(DATA, "gsm8k_test.parquet"))
+  c.eval.path = "gsm8k_test.parquet"
   c.eval.every = 2
   c.eval.limit = 8
   c.eval.max_new_tokens = 96

@@ -6,11 +6,7 @@ It uses SmolLM2's tokenizer (so real prompts and rewards) with a 2-layer, 64-wid
 random decoder; the replay delayed start is 0, so the buffer is used from step 1.
 """
 
-import os
-
 from configs import common
-
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 
 
 def get_config(arg=None):
@@ -20,7 +16,7 @@ def get_config(arg=None):
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
   c.model.remat = "none"
-  c.data.train_path = os.path.normpath(os.path.join(DATA, "gsm8k_train.parquet"))
+  c.data.train_path = "gsm8k_train.parquet"  # under data.dir
   c.data.limit = 64
   c.data.max_prompt_tokens = 192
   c.rollout.k = 4

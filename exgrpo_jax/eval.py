@@ -1,9 +1,12 @@
 """Evaluates a model on benchmark files and prints a table per data_source.
 
-  python -m exgrpo_jax.eval --data ../shared/data/exgrpo_test_id.parquet --limit 4 \\
+  python -m exgrpo_jax.eval --data exgrpo_test_id.parquet --limit 4 \\
       --max-new-tokens 64                           # embedded SmolLM2, a CPU smoke run
-  python -m exgrpo_jax.eval --model PATH --data ../shared/data/exgrpo_test_id.parquet \\
-      --data ../shared/data/ood_arc_c.parquet --max-new-tokens 8192 --out results.json
+  python -m exgrpo_jax.eval --model PATH --data exgrpo_test_id.parquet \\
+      --data ood_arc_c.parquet --max-new-tokens 8192 --out results.json
+
+A --data path is relative to the working directory, or, where no such file is there, to
+the data directory that `python -m exgrpo_jax.prepare_data` fills (BUILD.md, "Data").
 
 PATH is an HF directory, a .gguf file, or an exgrpo_jax training workdir / checkpoint
 step directory; without --model the embedded SmolLM2-135M-Instruct is used. Defaults
@@ -15,6 +18,7 @@ every data_source, so each benchmark still appears.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -94,7 +98,9 @@ def main(argv=None) -> int:
   try:
     questions = []
     for path in args.data:
-      loaded = data.load_questions(path, reward_name=args.reward)
+      # Relative to the working directory, else to the data directory (prepare_data's).
+      loaded = data.load_questions(path, reward_name=args.reward,
+                                   data_dir=os.getcwd() if os.path.exists(path) else "")
       for message in loaded.skipped:
         log(f"[eval] skipped {message}")
       questions += select(loaded.questions, args.limit, args.sources)

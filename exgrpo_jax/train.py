@@ -50,11 +50,12 @@ def main(argv):
   # Before anything touches a JAX device.
   from exgrpo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from exgrpo_jax import data  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import trainer  # pylint: disable=g-import-not-at-top
   try:
     run = trainer.Trainer(_CONFIG.value, _WORKDIR.value)  # validates the config first
-  except config_check.ConfigError as e:
+  except (config_check.ConfigError, data.DataError) as e:
     sys.exit(f"exgrpo_jax.train: {e}")
   run.run()
 

@@ -6,6 +6,10 @@ import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO_ROOT), "shared", "data")
+# Configs name data files relative to data.dir; here they are the shared files, where
+# present (tests that need them skip through `shared_data_dir` otherwise).
+if os.path.isdir(SHARED_DATA):
+  os.environ.setdefault("EXGRPO_DATA_DIR", SHARED_DATA)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Questions: file readers (verl parquet, GSM8K, JSONL), prompt templates, and the
-resumable fresh-question stream."""
+"""Questions: readers (parquet, JSON, JSONL, `datasets` directories, the hub; verl, TRL,
+GSM8K and problem columns), prompt templates, and the resumable fresh-question stream."""
 
 from exgrpo_jax.data.questions import (BOXED_INSTRUCTION, DataError, LoadResult, Question,
                                        load_questions)

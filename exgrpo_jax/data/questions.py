@@ -1,27 +1,34 @@
-"""Question records and the readers for the three file schemas.
+"""Question records, and the column schemas a table of questions can have.
 
-* verl / ExGRPO parquet: `data_source`, `prompt` (a list of chat messages),
+The rows come from `readers.py` (parquet, JSON, JSONL, a `datasets` directory, the hub, or a
+comma-separated list of those). Whatever the container, the columns pick the schema:
+
+* verl / ExGRPO: `data_source`, `prompt` (a list of chat messages),
   `reward_model.ground_truth` (plus optional `extra_info`, `level`, `type`, ...).
-* GSM8K parquet: `question`, `answer` (a solution ending `#### <number>`), optional
-  `data_source` and `sample_id`.
-* JSONL: one object per line with `problem` and `answer` (optional `data_source`, else
-  the file name).
+* TRL: `prompt` (text or chat messages) plus `solution` or `answer`.
+* GSM8K: `question`, `answer` (a solution ending `#### <number>`), optional `data_source`
+  and `sample_id`.
+* problem: `problem` plus `answer` or `solution` (MATH's columns).
 
-Every question gets `uid` = its row index in the file (the replay buffer keys on it), so
-uids are stable across runs and restarts as long as the file is the same. A bad row is an
-error naming the file, the row and the column, or, with `skip_bad_rows=True`, a counted
-skip whose message is kept in `LoadResult.skipped`.
+A `solution` without an `answer` gives the ground truth as its last `\\boxed{}` (the whole
+text when it has none). Rows without `data_source` take the file's name. Bare questions
+(GSM8K, problem) get the `\\boxed{}` instruction of math_train.parquet's prompts; TRL
+prompts are used as given.
+
+Every question gets `uid` = its row index (across the files of a list, in order; the
+replay buffer keys on it), so uids are stable across runs and restarts as long as the data
+is the same. A bad row is an error naming the file, the row and the column, or, with
+`skip_bad_rows=True`, a counted skip whose message is kept in `LoadResult.skipped`.
 """
 
 import dataclasses
-import json
-import os
 import re
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
+from exgrpo_jax.data import readers
+from exgrpo_jax.data.readers import DataError
 from exgrpo_jax.rewards import graders
 
 # Appended to bare questions (GSM8K, JSONL): the wording of math_train.parquet's prompts.
@@ -29,10 +36,6 @@ BOXED_INSTRUCTION = "Let's think step by step and output the final answer within
 
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-class DataError(ValueError):
-  """A data file or one of its rows does not have the expected schema."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +66,7 @@ class Question:
 
 @dataclasses.dataclass
 class LoadResult:
-  """Questions read from one file, and a message for every skipped row."""
+  """Questions read from one data spec, and a message for every skipped row."""
 
   path: str
   questions: list[Question]
@@ -74,65 +77,78 @@ class _RowError(Exception):
   """A problem in one column of one row; the caller adds the file and row.
 
   `unusable` marks rows that are well formed but cannot be graded (an empty ground
-  truth or question): those are always skipped and counted, never an error.
+  truth): those are always skipped and counted, never an error.
   """
 
   def __init__(self, column: str, message: str, unusable: bool = False):
-    super().__init__(f"column {column!r}: {message}")
+    super().__init__(f"column {column!r}: {message}" if column else message)
     self.unusable = unusable
 
 
 def load_questions(path: str, *, skip_bad_rows: bool = False, limit: int = 0,
-                   reward_name: str = "") -> LoadResult:
-  """Reads a parquet (verl or GSM8K schema) or JSONL file of questions.
+                   reward_name: str = "", data_dir: str = "") -> LoadResult:
+  """Reads the questions of a data spec (see `readers.py`: files, lists, directories, hub).
 
   Args:
-    path: the file.
-    skip_bad_rows: skip (and count) rows with a null or malformed field instead of
-      raising. A missing column is always an error; an empty ground truth or question
-      is always a counted skip (math_train.parquet has two such rows).
+    path: the data spec; relative paths resolve against `data_dir`.
+    skip_bad_rows: skip (and count) rows with a null, malformed or unreadable field
+      instead of raising. A missing column is always an error; an empty ground truth is
+      always a counted skip (math_train.parquet has two such rows).
     limit: keep only the first `limit` rows (0 = all).
     reward_name: reward for every row; "" picks one per data_source.
+    data_dir: the data directory ("" = `readers.default_dir()`).
   """
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"data file does not exist: {path}")
-  if path.endswith(".jsonl"):
-    rows, parse = _jsonl_rows(path), _jsonl_question
-  elif path.endswith(".parquet"):
-    frame = pd.read_parquet(path)
-    rows, parse = frame.to_dict("records"), _parquet_parser(path, set(frame.columns))
-  else:
-    raise DataError(f"{path}: unknown data format (expected .parquet or .jsonl)")
-  if limit:
-    rows = rows[:limit]
-  stem = os.path.splitext(os.path.basename(path))[0]
-  questions, skipped = [], []
-  for uid, row in enumerate(rows):
-    try:
-      q = parse(uid, row, stem)
-      questions.append(dataclasses.replace(
-          q, reward_name=graders.reward_for_source(q.data_source, reward_name)))
-    except _RowError as e:
-      message = f"{path}: row {uid}, {e}"
-      if not (skip_bad_rows or e.unusable):
-        raise DataError(message) from None
-      skipped.append(message)
+  questions, skipped, uid = [], [], 0
+  for table in readers.read_tables(path, data_dir):
+    parse = _parser(table)
+    for row_index, row in enumerate(table.rows):
+      if limit and uid >= limit:
+        break
+      try:
+        if isinstance(row, readers.BadRow):
+          raise _RowError("", row.message)
+        q = parse(uid, row, table.stem)
+        questions.append(dataclasses.replace(
+            q, reward_name=graders.reward_for_source(q.data_source, reward_name)))
+      except _RowError as e:
+        message = f"{table.name}: row {row_index}, {e}"
+        if not (skip_bad_rows or e.unusable):
+          raise DataError(message) from None
+        skipped.append(message)
+      uid += 1
   return LoadResult(path, questions, skipped)
 
 
-def _parquet_parser(path: str, columns: set[str]):
-  """The row parser for a parquet file's schema (verl or GSM8K), checking its columns."""
-  if columns & {"prompt", "reward_model"}:
-    schema, needed, parse = "verl", ("data_source", "prompt", "reward_model"), _verl_question
-  elif columns & {"question", "answer"}:
-    schema, needed, parse = "GSM8K", ("question", "answer"), _gsm8k_question
+# Schema name -> (required columns, alternatives of which one is required).
+_SCHEMAS = {"verl": (("data_source", "prompt", "reward_model"), ()),
+            "TRL": (("prompt",), ("solution", "answer")),
+            "GSM8K": (("question", "answer"), ()),
+            "problem": (("problem",), ("answer", "solution"))}
+
+
+def _parser(table: readers.Table):
+  """The row parser for a table's schema, checking its columns."""
+  columns = table.columns
+  if "reward_model" in columns or ("prompt" in columns and
+                                   not columns & {"solution", "answer"}):
+    schema, parse = "verl", _verl_question
+  elif "prompt" in columns:
+    schema, parse = "TRL", _trl_question
+  elif "question" in columns:
+    schema, parse = "GSM8K", _gsm8k_question
+  elif "problem" in columns:
+    schema, parse = "problem", _problem_question
   else:
-    raise DataError(f"{path}: unrecognised schema (columns: {', '.join(sorted(columns))}); "
-                    "expected verl (data_source, prompt, reward_model) or GSM8K "
-                    "(question, answer)")
+    raise DataError(f"{table.name}: unrecognised schema (columns: "
+                    f"{', '.join(sorted(columns)) or 'none'}); expected verl (data_source, "
+                    "prompt, reward_model), TRL (prompt, solution or answer), GSM8K "
+                    "(question, answer) or problem (problem, answer or solution)")
+  needed, one_of = _SCHEMAS[schema]
   missing = [c for c in needed if c not in columns]
+  if one_of and not columns & set(one_of):
+    missing.append(" or ".join(repr(c) for c in one_of)[1:-1])
   if missing:
-    raise DataError(f"{path}: missing column {missing[0]!r} for the {schema} schema "
+    raise DataError(f"{table.name}: missing column '{missing[0]}' for the {schema} schema "
                     f"(columns: {', '.join(sorted(columns))})")
   return parse
 
@@ -141,8 +157,12 @@ def _is_null(value) -> bool:
   return value is None or (isinstance(value, float) and np.isnan(value))
 
 
-def _text(value, column: str) -> str:
-  """A cell as a non-empty string; numbers are accepted and converted."""
+def _text(value, column: str, empty_unusable: bool = False) -> str:
+  """A cell as a non-empty string; numbers are accepted and converted.
+
+  An empty ground truth (`empty_unusable`) makes the row a counted skip; any other empty
+  text is an error.
+  """
   if _is_null(value):
     raise _RowError(column, "null value")
   if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
@@ -150,7 +170,7 @@ def _text(value, column: str) -> str:
   if not isinstance(value, str):
     raise _RowError(column, f"expected text, got {type(value).__name__}")
   if not value.strip():
-    raise _RowError(column, "empty text", unusable=True)
+    raise _RowError(column, "empty text", unusable=empty_unusable)
   return value
 
 
@@ -178,8 +198,11 @@ def _messages(value) -> tuple[dict[str, str], ...]:
         m.get("content"), str):
       raise _RowError("prompt", f"message {i} is not a {{role, content}} pair: {m!r:.80}")
     messages.append({"role": m["role"], "content": m["content"]})
-  if not any(m["role"] == "user" for m in messages):
+  users = [m["content"] for m in messages if m["role"] == "user"]
+  if not users:
     raise _RowError("prompt", "no user message")
+  if not users[-1].strip():
+    raise _RowError("prompt", "empty user message")
   return tuple(messages)
 
 
@@ -189,7 +212,8 @@ def _verl_question(uid: int, row: dict, stem: str) -> Question:
   if not isinstance(reward_model, dict):
     raise _RowError("reward_model",
                     f"expected a struct with ground_truth, got {reward_model!r:.80}")
-  ground_truth = _text(reward_model.get("ground_truth"), "reward_model.ground_truth")
+  ground_truth = _text(reward_model.get("ground_truth"), "reward_model.ground_truth",
+                       empty_unusable=True)
   extra = {k: _plain(v) for k, v in row.items()
            if k not in ("prompt", "reward_model", "data_source") and not _is_null(v)}
   return Question(uid, _messages(row.get("prompt")), ground_truth,
@@ -198,7 +222,7 @@ def _verl_question(uid: int, row: dict, stem: str) -> Question:
 
 def _gsm8k_question(uid: int, row: dict, stem: str) -> Question:
   question = _text(row.get("question"), "question")
-  solution = _text(row.get("answer"), "answer")
+  solution = _text(row.get("answer"), "answer", empty_unusable=True)
   match = _GSM8K_FINAL.search(solution)
   final = match.group(1).replace(",", "").replace("$", "").strip() if match else ""
   if not _NUMBER.fullmatch(final):
@@ -211,31 +235,32 @@ def _gsm8k_question(uid: int, row: dict, stem: str) -> Question:
   return Question(uid, messages, final, data_source, "", extra)
 
 
-def _jsonl_rows(path: str) -> list[dict]:
-  rows = []
-  with open(path, encoding="utf-8") as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        message = f"{path}: line {line_no} (row {len(rows)}) is not valid JSON: {e}"
-        raise DataError(message) from None
-      if not isinstance(row, dict):
-        raise DataError(f"{path}: line {line_no} (row {len(rows)}) is not a JSON object")
-      rows.append(row)
-  if rows:
-    missing = [c for c in ("problem", "answer") if c not in set().union(*rows)]
-    if missing:
-      raise DataError(f"{path}: missing column {missing[0]!r} for the JSONL schema "
-                      "(every row lacks it)")
-  return rows
+def _answer(row: dict) -> str:
+  """The ground truth of a TRL/problem row: `answer`, else the solution's last \\boxed{}."""
+  answer, solution = row.get("answer"), row.get("solution")
+  if not _is_null(answer) or _is_null(solution):
+    return _text(answer, "answer", empty_unusable=True)
+  solution = _text(solution, "solution", empty_unusable=True)
+  boxed = graders.last_boxed(solution)
+  return solution.strip() if boxed is None else _text(boxed, "solution", empty_unusable=True)
 
 
-def _jsonl_question(uid: int, row: dict, stem: str) -> Question:
+def _rest(row: dict, *used: str) -> dict:
+  return {k: _plain(v) for k, v in row.items() if k not in used and not _is_null(v)}
+
+
+def _trl_question(uid: int, row: dict, stem: str) -> Question:
+  prompt = row.get("prompt")
+  if isinstance(prompt, str):
+    messages = ({"role": "user", "content": _text(prompt, "prompt")},)
+  else:
+    messages = _messages(prompt)
+  return Question(uid, messages, _answer(row), _source(row, stem), "",
+                  _rest(row, "prompt", "answer", "data_source"))
+
+
+def _problem_question(uid: int, row: dict, stem: str) -> Question:
   problem = _text(row.get("problem"), "problem")
-  data_source = _source(row, stem)
   messages = ({"role": "user", "content": f"{problem} {BOXED_INSTRUCTION}"},)
-  extra = {k: v for k, v in row.items() if k not in ("problem", "answer", "data_source")}
-  return Question(uid, messages, _text(row.get("answer"), "answer"), data_source, "", extra)
+  return Question(uid, messages, _answer(row), _source(row, stem), "",
+                  _rest(row, "problem", "answer", "data_source"))

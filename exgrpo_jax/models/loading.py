@@ -2,9 +2,9 @@
 
 * HF directory: `config.json` plus `*.safetensors` (single file, or sharded with
   `model.safetensors.index.json`), read tensor by tensor through the key table.
-* `.gguf`: converted once through transformers' GGUF support (which needs PyTorch) into
-  a cached HF directory under `$EXGRPO_JAX_CACHE` (default `~/.cache/exgrpo_jax`); later
-  loads read that directory and need no PyTorch.
+* `.gguf`: dequantised once (`models/gguf_convert.py`, NumPy, no PyTorch) into a cached
+  float32 HF directory under `$EXGRPO_JAX_CACHE` (default `~/.cache/exgrpo_jax`); later
+  loads read that directory.
 
 No hub access: a path that is not on disk is an error.
 """
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import gguf_convert
 from exgrpo_jax.models import hf_keys
 from exgrpo_jax.models import policy as policy_lib
 from exgrpo_jax.models import safetensors_io
@@ -56,25 +57,15 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
   target = os.path.join(cache_root(), "gguf", f"{stem}-{key.hexdigest()[:12]}")
   if os.path.exists(os.path.join(target, "config.json")):
     return target
-  if importlib.util.find_spec("torch") is None:
-    raise ImportError(
-        f"reading {gguf_path} needs PyTorch (transformers' GGUF reader); install the CPU "
-        "build (pip install 'torch==2.13.0+cpu') or convert it on a machine that has it: "
-        "python -m exgrpo_jax.convert --src FILE.gguf --dst HF_DIR")
-  from transformers import AutoModelForCausalLM, AutoTokenizer  # pylint: disable=g-import-not-at-top
   print(f"[exgrpo_jax] converting {os.path.basename(gguf_path)} to a cached HF directory "
-        f"(once, ~30 s): {target}", file=sys.stderr)
-  directory, filename = os.path.split(os.path.abspath(gguf_path))
-  model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename)
-  tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-  # The dequantised weights are plain float32; without this, save_pretrained refuses.
-  model.hf_quantizer = None
-  if hasattr(model.config, "quantization_config"):
-    del model.config.quantization_config
+        f"(once): {target}", file=sys.stderr)
   os.makedirs(os.path.dirname(target), exist_ok=True)
   tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
-  model.save_pretrained(tmp)
-  tokenizer.save_pretrained(tmp)
+  try:
+    gguf_convert.convert(gguf_path, tmp)
+  except BaseException:
+    shutil.rmtree(tmp)
+    raise
   if os.path.exists(target):  # another process converted it meanwhile
     shutil.rmtree(tmp)
   else:
@@ -180,9 +171,8 @@ def from_pretrained(path: str | None = None, dtype: str = "float32",
 
 def load_tokenizer(path: str | None = None):
   """The HF tokenizer of a model directory or .gguf file (pad token defaults to EOS)."""
-  from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
   hf_dir = resolve_hf_dir(path or default_model_path())
-  tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+  tokenizer = gguf_convert.import_transformers().AutoTokenizer.from_pretrained(hf_dir)
   if tokenizer.pad_token is None:
     tokenizer.pad_token = tokenizer.eos_token
   return tokenizer

@@ -16,6 +16,7 @@ import os
 from exgrpo_jax import advantages
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
+from exgrpo_jax.data import readers
 from exgrpo_jax.data import templates
 from exgrpo_jax.models import attention
 from exgrpo_jax.models import config as config_lib
@@ -69,6 +70,12 @@ def _file(key: str, path: str) -> None:
   _require(os.path.exists(path), key, path, "no such file")
 
 
+def _data(key: str, spec: str, data_dir: str) -> None:
+  _require(bool(spec), key, spec, "is required")
+  problem = readers.missing(spec, data_dir)
+  _require(problem is None, key, spec, problem)
+
+
 def check(c) -> None:
   """Raises ConfigError for the first problem found in training config `c`."""
   m = c.model
@@ -79,7 +86,7 @@ def check(c) -> None:
   if m.path:
     _file("model.path", m.path)
 
-  _file("data.train_path", c.data.train_path)
+  _data("data.train_path", c.data.train_path, c.data.dir)
   _known("data.template", c.data.template, templates.TEMPLATES.names())
   _range(c, "data.max_prompt_tokens", 0, low_open=True)
   _range(c, "data.limit", 0)
@@ -157,7 +164,7 @@ def check(c) -> None:
   e = c.eval
   _range(c, "eval.every", 0)
   if e.every:
-    _file("eval.path", e.path)
+    _data("eval.path", e.path, c.data.dir)
     _range(c, "eval.limit", 0)
     _range(c, "eval.temperature", 0)
     _range(c, "eval.max_new_tokens", 0, low_open=True)

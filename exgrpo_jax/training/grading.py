@@ -50,7 +50,7 @@ class Grader:
     if self._eval_questions is None:
       self._eval_questions = data.load_questions(
           cfg.path, skip_bad_rows=config.data.skip_bad_rows, limit=cfg.limit,
-          reward_name=config.reward.name).questions
+          reward_name=config.reward.name, data_dir=config.data.dir).questions
     # Same template (system prompt included) and length limit as the training prompts.
     options = evaluation.EvalOptions(template=config.data.template, remove_system=False,
                                      max_prompt_tokens=config.data.max_prompt_tokens,

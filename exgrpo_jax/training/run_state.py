@@ -101,7 +101,7 @@ class RunState:
     """Questions of `path` rendered with the configured template (too long: dropped)."""
     cfg = self.config
     loaded = data.load_questions(path, skip_bad_rows=cfg.data.skip_bad_rows, limit=limit,
-                                 reward_name=cfg.reward.name)
+                                 reward_name=cfg.reward.name, data_dir=cfg.data.dir)
     prompts, dropped = data.render_prompts(loaded.questions, self.tokenizer,
                                            template=cfg.data.template,
                                            max_prompt_tokens=cfg.data.max_prompt_tokens)
