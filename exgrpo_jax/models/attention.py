@@ -130,8 +130,7 @@ def _splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
 
 def _is_nvidia_gpu() -> bool:
   device = jax.devices()[0]
-  return device.platform == "gpu" and "nvidia" in getattr(device, "device_kind", "").lower() \
-      or device.platform == "cuda"
+  return device.platform in ("gpu", "cuda") and "nvidia" in device.device_kind.lower()
 
 
 def supported(backend: str | None = None) -> tuple[str, ...]:
@@ -149,7 +148,8 @@ def check_supported(name: str, backend: str | None = None) -> None:
   """Raises ValueError (one line naming the alternatives) if `name` cannot run here."""
   backend = backend or jax.default_backend()
   if name not in config_lib.ATTENTIONS:
-    raise ValueError(f"model.attention={name!r} is unknown; choose one of {', '.join(config_lib.ATTENTIONS)}")
+    raise ValueError(f"model.attention={name!r} is unknown; "
+                     f"choose one of {', '.join(config_lib.ATTENTIONS)}")
   if name not in supported(backend):
     raise ValueError(f"model.attention={name!r} cannot run on backend {backend!r}; "
                      f"choose one of {', '.join(supported(backend))}")
