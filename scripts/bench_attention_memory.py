@@ -82,8 +82,9 @@ def analyse(config, cfg, S: int) -> dict:
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), (
       batch.tokens_MxBxS, batch.valid_MxBxS, batch.mask_MxBxR, batch.old_logp_MxBxR,
       batch.adv_MxB, batch.is_replay_MxB))
+  micro_loss = learner._micro_loss  # pylint: disable=protected-access
   micro_grad = jax.value_and_grad(functools.partial(
-      learner._micro_loss, prompt_len=batch.prompt_len, **kw), has_aux=True)  # pylint: disable=protected-access
+      micro_loss, prompt_len=batch.prompt_len, **kw), has_aux=True)
   micro_memory = _memory(jax.jit(micro_grad).lower(params, micro))
   return dict(S=S, step=step_memory, micro=micro_memory)
 

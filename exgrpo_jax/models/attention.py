@@ -30,7 +30,8 @@ from exgrpo_jax.models import blockwise
 from exgrpo_jax.models import config as config_lib
 
 IMPLEMENTATIONS = registry.Registry("attention implementation")
-# auto on CPU: below this many key slots the einsum is faster (scripts/bench_attention.py).
+# auto on CPU: below this many key slots the einsum is as fast or faster (1.05x at 512,
+# blockwise 0.53x at 1024: scripts/bench_attention.py, docs/results/bench_attention_cpu.json).
 AUTO_BLOCKWISE_FROM = 1024
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
@@ -112,6 +113,9 @@ def _blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
 def _cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
   # cuDNN builds the padding/segment mask into a [B, 1, T, S] bias (2 bytes per entry,
   # not per head); the causal part it skips block-wise itself when there is no cache.
+  if jnp.dtype(q_BxTxHxDh.dtype).itemsize != 2:
+    raise ValueError(f"model.attention='cudnn' needs model.dtype bfloat16 or float16, not "
+                     f"{jnp.dtype(q_BxTxHxDh.dtype).name}; use auto, xla or blockwise")
   T = q_BxTxHxDh.shape[1]
   return jax.nn.dot_product_attention(
       q_BxTxHxDh, k_BxKxDhxS.transpose(0, 3, 1, 2), v_BxKxSxDh.transpose(0, 2, 1, 3),
@@ -126,8 +130,7 @@ def _splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
 
 def _is_nvidia_gpu() -> bool:
   device = jax.devices()[0]
-  return device.platform == "gpu" and "nvidia" in getattr(device, "device_kind", "").lower() \
-      or device.platform == "cuda"
+  return device.platform in ("gpu", "cuda") and "nvidia" in device.device_kind.lower()
 
 
 def supported(backend: str | None = None) -> tuple[str, ...]:
@@ -145,7 +148,8 @@ def check_supported(name: str, backend: str | None = None) -> None:
   """Raises ValueError (one line naming the alternatives) if `name` cannot run here."""
   backend = backend or jax.default_backend()
   if name not in config_lib.ATTENTIONS:
-    raise ValueError(f"model.attention={name!r} is unknown; choose one of {', '.join(config_lib.ATTENTIONS)}")
+    raise ValueError(f"model.attention={name!r} is unknown; "
+                     f"choose one of {', '.join(config_lib.ATTENTIONS)}")
   if name not in supported(backend):
     raise ValueError(f"model.attention={name!r} cannot run on backend {backend!r}; "
                      f"choose one of {', '.join(supported(backend))}")

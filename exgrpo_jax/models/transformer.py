@@ -10,7 +10,9 @@ rematerialised.
 
 Attention takes an explicit `KVCache` so the sampler can prefill and decode with the same
 module the learner trains; without a cache it is ordinary causal self-attention over the
-valid tokens of a (left- or right-) padded batch.
+valid tokens of a (left- or right-) padded batch, or within the segments of packed rows.
+The attention kernel is `cfg.attention` (`models/attention.py`); the sampler's decode
+step keeps the einsum (`attend`), faster than blockwise for one query per row.
 """
 
 import math
