@@ -12,7 +12,11 @@ Defaults are the paper's (SPEC section 2, reference section 3). Variants (`:arg`
   rho25, rho75 experience ratio 0.25 / 0.75
 """
 
+import dataclasses
+
 import ml_collections
+
+from exgrpo_jax.data import arithmetic
 
 VARIANTS = ("exgrpo", "onpolicy", "no_qsel", "no_tsel", "high_ent", "no_shaping", "no_is",
             "rho25", "rho75")
@@ -35,11 +39,15 @@ def base_config() -> ml_collections.ConfigDict:
   ))
 
   c.data = ml_collections.ConfigDict(dict(
+      source="file",          # file (train_path) | arithmetic (generated, no files)
       train_path="",
       template="chat",        # chat | exgrpo_think | plain
       max_prompt_tokens=1024,
       limit=0,                # use only the first N training rows (0 = all)
       skip_bad_rows=False,
+      # The arithmetic source's size and difficulty (exgrpo_jax.data.arithmetic).
+      arithmetic=ml_collections.ConfigDict(
+          dataclasses.asdict(arithmetic.ArithmeticSettings())),
   ))
 
   c.rollout = ml_collections.ConfigDict(dict(
@@ -100,15 +108,20 @@ def base_config() -> ml_collections.ConfigDict:
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
       export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
+      loggers="jsonl,tensorboard",  # comma-separated: jsonl | tensorboard | wandb
+      compile_cache=True,     # JAX's persistent compilation cache (exgrpo_jax.compile_cache)
   ))
 
   c.eval = ml_collections.ConfigDict(dict(
+      source="file",          # file (path) | arithmetic (the held-out split)
       path="",
       every=10,               # 0 = never
       limit=0,
       temperature=0.6,
       max_new_tokens=8192,
       n=1,
+      before_train=False,     # also evaluate at step 0
+      samples=4,              # completions logged per evaluation (eval_samples.jsonl)
   ))
 
   # Device mesh (exgrpo_jax.sharding): sizes over named axes (data, fsdp, tensor), one

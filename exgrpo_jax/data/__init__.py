@@ -1,6 +1,8 @@
-"""Questions: file readers (verl parquet, GSM8K, JSONL), prompt templates, and the
-resumable fresh-question stream."""
+"""Questions: data sources (files, generated arithmetic), file readers (verl parquet,
+GSM8K, JSONL), prompt templates, and the resumable fresh-question stream."""
 
+from exgrpo_jax.data import arithmetic
+from exgrpo_jax.data import sources
 from exgrpo_jax.data.questions import (BOXED_INSTRUCTION, DataError, LoadResult, Question,
                                        load_questions)
 from exgrpo_jax.data.stream import QuestionStream

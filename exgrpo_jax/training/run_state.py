@@ -79,8 +79,7 @@ class RunState:
 
     # Custom rewards register themselves on import; the data loader checks reward names.
     plugins = rewards.load_plugins(config.reward.plugins)
-    self.prompts, self.data_stats = self._load_prompts(config.data.train_path,
-                                                       config.data.limit)
+    self.prompts, self.data_stats = self._load_prompts()
     self._by_uid = {p.question.uid: p for p in self.prompts}
     self.stream = data.QuestionStream([p.question for p in self.prompts],
                                       seed=config.train.seed)
@@ -94,12 +93,13 @@ class RunState:
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
         top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
     self._eval_questions = None
+    self.eval_responses = []  # a few graded completions of the latest evaluation
 
-  def _load_prompts(self, path: str, limit: int):
-    """Questions of `path` rendered with the configured template (too long: dropped)."""
+  def _load_prompts(self):
+    """Training questions (`data.source`) rendered with the template (too long: dropped)."""
     cfg = self.config
-    loaded = data.load_questions(path, skip_bad_rows=cfg.data.skip_bad_rows, limit=limit,
-                                 reward_name=cfg.reward.name)
+    loaded = data.sources.load(cfg, "train")
+    path = loaded.path
     prompts, dropped = data.render_prompts(loaded.questions, self.tokenizer,
                                            template=cfg.data.template,
                                            max_prompt_tokens=cfg.data.max_prompt_tokens)
@@ -152,23 +152,22 @@ class RunState:
     return distributed.from_primary(rewards_N), stats
 
   def evaluate(self, engine) -> dict:
-    """Validation accuracy on `eval.path`, per data source and averaged (val/* metrics)."""
+    """Validation accuracy on `eval.source`, per data source and averaged (val/* metrics)."""
     cfg = self.config.eval
-    if not cfg.path:
+    if not data.sources.has_eval_data(self.config):
       return {}
     if self._eval_questions is None:
-      self._eval_questions = data.load_questions(
-          cfg.path, skip_bad_rows=self.config.data.skip_bad_rows, limit=cfg.limit,
-          reward_name=self.config.reward.name).questions
+      self._eval_questions = data.sources.load(self.config, "eval").questions
     # Same template (system prompt included) and length limit as the training prompts.
     options = evaluation.EvalOptions(template=self.config.data.template, remove_system=False,
                                      max_prompt_tokens=self.config.data.max_prompt_tokens,
-                                     n=cfg.n)
+                                     n=cfg.n, keep_responses=cfg.samples > 0)
     result = evaluation.evaluate(
         engine, self.params, self.tokenizer, self._eval_questions,
         sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
                                 max_new_tokens=cfg.max_new_tokens),
         self.reward_pool, jax.random.key(self.config.train.seed), options)
+    self.eval_responses = result.get("responses", [])[:cfg.samples]
     metrics = {f"val/test_score/{src}": v["avg@k"] for src, v in result["per_source"].items()}
     metrics["val/avg_score"] = result["overall"]["avg@k"]
     metrics["val/response_length"] = result["overall"]["mean_response_length"]

@@ -45,7 +45,8 @@ class Trainer:
                if config.rollout.engine == "jax" else {})
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
-    self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step)
+    self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step,
+                              loggers=config.train.loggers, config=config.to_dict())
     self._stop_requested = False
     self._algo = learner.frozen(config.algo)
     self._optim = learner.frozen(config.optim)
@@ -243,16 +244,26 @@ class Trainer:
     models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source)
     print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
 
+  def _evaluate(self) -> dict:
+    """val/* metrics; a few graded completions go to the run log."""
+    metrics = self.state.evaluate(self.engine)
+    self.log.eval_samples(self.state.step, self.state.eval_responses)
+    return metrics
+
   def run(self) -> dict:
     """Trains until `train.steps`; checkpoints, evaluates and logs along the way."""
     cfg, st = self.config, self.state
     previous = signal.signal(signal.SIGTERM, self._request_stop)
     metrics = {}
     try:
+      if cfg.eval.before_train and st.step == 0:
+        start = self._evaluate()
+        self.log.write(0, start)
+        self.log.progress(0, start)
       while st.step < cfg.train.steps and not self._stop_on_all_processes():
         metrics = self.train_step()
-        if cfg.eval.every and st.step % cfg.eval.every == 0:
-          metrics.update(st.evaluate(self.engine))
+        if cfg.eval.every and (st.step % cfg.eval.every == 0 or st.step == cfg.train.steps):
+          metrics.update(self._evaluate())
         self.log.write(st.step, metrics)
         if st.step % cfg.train.log_every == 0:
           self.log.progress(st.step, metrics)
