@@ -11,7 +11,8 @@ from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import sources
 from exgrpo_jax.training import config_check
 
-SETTINGS = arithmetic.ArithmeticSettings(train_size=300, eval_size=60)
+SETTINGS = arithmetic.ArithmeticSettings(train_size=300, eval_size=60,
+                                         operations="add,sub,mul,mixed", max_operand=99)
 _EXPRESSION = re.compile(r"What is (\d+) (\+|-|\\times) (\d+)(?: \+ (\d+))?\?")
 
 
@@ -42,6 +43,7 @@ def test_answers_are_the_expressions_values_and_operations_alternate():
   questions = arithmetic.make_questions(SETTINGS, "eval")
   for q in questions:
     assert q.ground_truth == str(_value(q.problem)), q.problem
+    assert int(q.ground_truth) >= 0
     assert q.problem.endswith(SETTINGS.instruction)
     assert q.reward_name == arithmetic.REWARD
   ops = SETTINGS.operation_list
@@ -72,7 +74,18 @@ def test_reward_pool_grades_the_answers():
 ])
 def test_bad_settings_name_the_field(change, message):
   with pytest.raises(ValueError, match=re.escape(message)):
+    arithmetic.ArithmeticSettings.parse(";".join(f"{k}={v}" for k, v in change.items()))
+  with pytest.raises(ValueError, match=re.escape(message)):
     dataclasses.replace(SETTINGS, **change)
+
+
+def test_parse_reads_fields_and_rejects_unknown_ones():
+  parsed = arithmetic.ArithmeticSettings.parse("operations=add;max_operand=20;eval_size=5")
+  assert parsed == arithmetic.ArithmeticSettings(operations="add", max_operand=20, eval_size=5)
+  with pytest.raises(ValueError, match="unknown field 'digits'"):
+    arithmetic.ArithmeticSettings.parse("digits=2")
+  with pytest.raises(ValueError, match="max_operand must be an integer"):
+    arithmetic.ArithmeticSettings.parse("max_operand=ten")
 
 
 def test_too_few_distinct_problems_is_a_clear_error():

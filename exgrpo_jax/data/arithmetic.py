@@ -27,21 +27,26 @@ REWARD = "gsm8k"
 class ArithmeticSettings:
   """The task's size and difficulty (config section `data.arithmetic`).
 
+  The defaults are the CPU default run's task (configs/smollm2_135m.py): SmolLM2-135M-
+  Instruct solves about 31% of them at temperature 0.7 and 14% at temperature 1
+  (scripts/calibrate_arithmetic.py, 32 questions x 2 samples, 48 new tokens).
+
   Attributes:
     seed: the generator's seed; the same settings always give the same questions.
     train_size: questions in the training split.
     eval_size: questions in the held-out split.
     operations: comma-separated kinds, taken round-robin (`OPERATIONS`).
-    max_operand: largest operand (add/sub: both in [0, max_operand]; mul: a in [2, 9] and
-      b in [2, max_operand]; mixed: a, b in [2, 9] and c in [1, max_operand]).
+    max_operand: largest operand (add/sub: both in [0, max_operand] with a - b >= 0;
+      mul: a in [2, 9], b in [2, max_operand]; mixed: a, b in [2, 9], c in
+      [1, max_operand]).
     instruction: appended to every problem.
   """
 
   seed: int = 0
-  train_size: int = 2000
-  eval_size: int = 200
-  operations: str = "add,sub,mul,mixed"
-  max_operand: int = 99
+  train_size: int = 200
+  eval_size: int = 60
+  operations: str = "add,sub"
+  max_operand: int = 15
   instruction: str = "Answer with only the number."
 
   def __post_init__(self):
@@ -82,8 +87,8 @@ def make_problem(rng: random.Random, op: str, max_operand: int) -> tuple[str, in
   if op == "add":
     a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
     return f"What is {a} + {b}?", a + b
-  if op == "sub":
-    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+  if op == "sub":  # a >= b: negative results are much harder for small models
+    a, b = sorted((rng.randint(0, max_operand), rng.randint(0, max_operand)), reverse=True)
     return f"What is {a} - {b}?", a - b
   if op == "mul":
     a, b = rng.randint(2, 9), rng.randint(2, max_operand)
