@@ -80,3 +80,23 @@ def test_progress_line_shows_replay_buffer_and_validation(tmp_path, capsys):
                    "experience/questions": 5, "experience/retired": 1, "val/avg_score": 0.4})
   out = capsys.readouterr().out
   assert "solved=0.375 replayed=2 buffer=5 retired=1 val=0.4" in out
+
+
+@pytest.mark.slow
+def test_training_run_evaluates_at_start_and_end_and_logs_samples(tmp_path):
+  """A tiny random model on the arithmetic source: real sampler, rewards and loggers."""
+  from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  c = importlib.import_module("configs.tiny").get_config()
+  c.data.source = c.eval.source = "arithmetic"
+  c.eval.before_train, c.eval.every, c.eval.limit, c.eval.samples = True, 5, 6, 2
+  c.train.steps, c.train.loggers = 2, "jsonl"
+  trainer_lib.Trainer(c, str(tmp_path)).run()
+  rows = run_log.read_metrics(str(tmp_path))
+  assert [(r["step"], "val/avg_score" in r) for r in rows] == [(0, True), (1, False),
+                                                                (2, True)]
+  with open(tmp_path / "eval_samples.jsonl", encoding="utf-8") as f:
+    samples = [json.loads(line) for line in f]
+  assert [s["step"] for s in samples] == [0, 0, 2, 2]
+  assert all(s["problem"].startswith("What is ") and s["status"] for s in samples)
+  with open(tmp_path / "config.json", encoding="utf-8") as f:
+    assert json.load(f)["data"]["source"] == "arithmetic"

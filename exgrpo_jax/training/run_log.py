@@ -146,9 +146,9 @@ class RunLog:
       return
     done = step - self._start_step
     elapsed = time.time() - self._start_time
-    eta = elapsed / max(done, 1) * (self.total_steps - step)
+    eta = _hms(elapsed / done * (self.total_steps - step)) if done > 0 else "?"
     parts = [f"{label}={_to_float(metrics[k]):.4g}" for k, label in PROGRESS if k in metrics]
-    print(f"step {step}/{self.total_steps} [{_hms(elapsed)}<{_hms(eta)}] " + " ".join(parts),
+    print(f"step {step}/{self.total_steps} [{_hms(elapsed)}<{eta}] " + " ".join(parts),
           flush=True)
 
   def eval_samples(self, step: int, responses: list[dict]) -> None:
