@@ -110,3 +110,9 @@ def test_config_sources_load_the_splits_and_check_them():
   c.data.source = "nope"
   with pytest.raises(config_check.ConfigError, match="config.data.source='nope'"):
     config_check.check(c)
+
+
+def test_eval_cli_names_a_bad_arithmetic_setting(capsys):
+  from exgrpo_jax import eval as eval_cli  # pylint: disable=g-import-not-at-top
+  assert eval_cli.main(["--data", "arithmetic:digits=2"]) == 1
+  assert "error: arithmetic setting 'digits=2': unknown field 'digits'" in capsys.readouterr().err
