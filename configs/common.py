@@ -9,7 +9,11 @@ it from its source (the source keeps its value).
 Variants (`:arg`), the paper's Table 6 ablations, are the overrides in `VARIANTS`.
 """
 
+import dataclasses
+
 import ml_collections
+
+from exgrpo_jax.data import arithmetic
 
 # name -> (overrides "section.key": value, what the variant is).
 VARIANTS = {
@@ -53,11 +57,15 @@ def base_config() -> ml_collections.ConfigDict:
   # ~/.cache/exgrpo_jax/data (where `python -m exgrpo_jax.prepare_data` writes).
   c.data = ml_collections.ConfigDict(dict(
       dir="",
+      source="file",          # file (train_path) | arithmetic (generated, no files)
       train_path="",
       template="chat",        # chat | exgrpo_think | plain
       max_prompt_tokens=1024,
       limit=0,                # use only the first N training rows (0 = all)
       skip_bad_rows=False,
+      # The arithmetic source's size and difficulty (exgrpo_jax.data.arithmetic).
+      arithmetic=ml_collections.ConfigDict(
+          dataclasses.asdict(arithmetic.ArithmeticSettings())),
   ))
 
   c.rollout = ml_collections.ConfigDict(dict(
@@ -138,15 +146,20 @@ def base_config() -> ml_collections.ConfigDict:
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
       export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
+      loggers="jsonl,tensorboard",  # comma-separated: jsonl | tensorboard | wandb
+      compile_cache=True,     # JAX's persistent compilation cache (exgrpo_jax.compile_cache)
   ))
 
   c.eval = ml_collections.ConfigDict(dict(
+      source="file",          # file (path) | arithmetic (the held-out split)
       path="",
       every=10,               # 0 = never
       limit=0,
       temperature=0.6,
       max_new_tokens=8192,
       n=1,
+      before_train=False,     # also evaluate at step 0
+      samples=4,              # completions logged per evaluation (eval_samples.jsonl)
   ))
 
   # Device mesh (exgrpo_jax.sharding): sizes over named axes (data, fsdp, tensor), one

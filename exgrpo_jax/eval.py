@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from exgrpo_jax import checkpointing
+from exgrpo_jax import compile_cache
 from exgrpo_jax import data
 from exgrpo_jax import models
 from exgrpo_jax import rewards
@@ -38,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0])
   add = p.add_argument
   add("--model", default="", help="HF dir, .gguf, or training workdir (default: SmolLM2)")
-  add("--data", action="append", required=True, help="a data file (repeatable)")
+  add("--data", action="append", required=True,
+      help="a data file (repeatable), or arithmetic[:FIELD=VALUE;...]: the held-out "
+      "split of the generated task (exgrpo_jax.data.arithmetic settings)")
   add("--limit", type=int, default=0, help="first N rows of every data_source (0 = all)")
   add("--sources", default="", help="comma-separated data_sources to keep (default: all)")
   add("--template", default="chat", choices=data.TEMPLATES.names())
@@ -57,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
   add("--seed", type=int, default=0)
   add("--dtype", default="float32", choices=("float32", "bfloat16"))
   add("--engine", default="jax", choices=sampling.ENGINES.names())
+  add("--compile-cache", "--compile_cache", dest="compile_cache",
+      action=argparse.BooleanOptionalAction, default=True,
+      help="reuse compiled programs across calls (exgrpo_jax.compile_cache)")
   add("--reward-workers", "--reward_workers", dest="reward_workers", type=int, default=2)
   add("--reward-timeout", "--reward_timeout", dest="reward_timeout", type=float, default=10.0)
   add("--save-responses", "--save_responses", dest="save_responses", action="store_true",
@@ -95,12 +101,19 @@ def log(message: str) -> None:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  compile_cache.enable(args.compile_cache)
   try:
     questions = []
     for path in args.data:
-      # Relative to the working directory, else to the data directory (prepare_data's).
-      loaded = data.load_questions(path, reward_name=args.reward,
-                                   data_dir=os.getcwd() if os.path.exists(path) else "")
+      if path.split(":")[0] == "arithmetic":  # the generated task's held-out split
+        settings = data.arithmetic.ArithmeticSettings.parse(path.partition(":")[2])
+        loaded = data.LoadResult(path, [
+            dataclasses.replace(q, reward_name=args.reward or q.reward_name)
+            for q in data.arithmetic.make_questions(settings, "eval")], [])
+      else:
+        # Relative to the working directory, else to the data directory (prepare_data's).
+        loaded = data.load_questions(path, reward_name=args.reward,
+                                     data_dir=os.getcwd() if os.path.exists(path) else "")
       for message in loaded.skipped:
         log(f"[eval] skipped {message}")
       questions += select(loaded.questions, args.limit, args.sources)

@@ -16,6 +16,7 @@ import time
 
 import jax
 
+from exgrpo_jax import compile_cache
 from exgrpo_jax import eval as eval_cli
 from exgrpo_jax import models
 from exgrpo_jax import sampling
@@ -37,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
   add("--seed", type=int, default=0)
   add("--dtype", default="float32", choices=("float32", "bfloat16"))
   add("--engine", default="jax", choices=sampling.ENGINES.names())
+  add("--compile-cache", "--compile_cache", dest="compile_cache",
+      action=argparse.BooleanOptionalAction, default=True,
+      help="reuse compiled programs across calls (exgrpo_jax.compile_cache)")
   return p
 
 
@@ -51,6 +55,7 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  compile_cache.enable(args.compile_cache)
   start = time.perf_counter()
   try:
     config = sampling.SamplingConfig(

@@ -51,6 +51,8 @@ def main(argv):
   from exgrpo_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from exgrpo_jax import data  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  compile_cache.enable(_CONFIG.value.train.compile_cache)
   from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import trainer  # pylint: disable=g-import-not-at-top
   try:

@@ -1,7 +1,6 @@
 r"""Training-step time of ExGRPO vs on-policy Dr.GRPO on one config, side by side (JSON).
 
-  python scripts/bench_train.py --config=configs/smollm2_135m.py \
-      --config.data.train_path=runs/data/arith/train.jsonl --config.algo.delayed_start=0
+  python scripts/bench_train.py --config=configs/smollm2_135m.py --config.algo.delayed_start=0
 
 Builds one trainer per variant (`--variants`, default exgrpo,onpolicy) in fresh temporary
 workdirs and runs their steps interleaved (exgrpo step 1, onpolicy step 1, exgrpo step

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The small-scale study of docs/results.md, end to end: data, base accuracy, every run,
+# The small-scale study of docs/results.md, end to end: base accuracy, every run,
 # the summary table and the plots.
 #
 #   bash scripts/reproduce_small.sh                 # all runs (about 2 h on 2 CPU cores)
@@ -19,12 +19,12 @@ ABLATION_SEEDS=${ABLATION_SEEDS:-"1"}
 CONFIG=configs/smollm2_arith.py
 mkdir -p "$OUT"
 
-"$PYTHON" scripts/make_arithmetic.py --out runs/data/arith
-
-# Base accuracy: the same 100 held-out problems and greedy decoding as the runs' eval.
+# Base accuracy: the same 100 held-out problems and greedy decoding as the runs' eval
+# (the config's generated task, configs/smollm2_arith.py STUDY_TASK).
 if [ ! -f "$OUT/base_eval.json" ]; then
-  "$PYTHON" -m exgrpo_jax.eval --data runs/data/arith/test.jsonl --limit 25 \
-    --max-new-tokens 64 --max-prompt-tokens 128 --temperature 0 --out "$OUT/base_eval.json"
+  TASK=$("$PYTHON" -c "from configs import smollm2_arith; print(smollm2_arith.STUDY_TASK)")
+  "$PYTHON" -m exgrpo_jax.eval --data "arithmetic:$TASK" --limit 25 --max-new-tokens 64 \
+    --max-prompt-tokens 128 --temperature 0 --out "$OUT/base_eval.json"
 fi
 
 run() {  # run METHOD SEED

@@ -100,7 +100,8 @@ def evaluate(engine, params, tokenizer, questions: Sequence[data.Question], samp
   if options.keep_responses:
     results["responses"] = [
         dict(uid=s.prompt.question.uid, data_source=s.prompt.question.data_source,
-             ground_truth=s.prompt.question.ground_truth, response=s.text, reward=s.reward,
+             problem=s.prompt.question.problem, ground_truth=s.prompt.question.ground_truth,
+             response=s.text, reward=s.reward,
              status=s.status) for s in samples]
   return results
 

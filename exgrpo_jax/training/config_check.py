@@ -17,6 +17,7 @@ from exgrpo_jax import advantages
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
 from exgrpo_jax.data import readers
+from exgrpo_jax.data import sources as data_sources
 from exgrpo_jax.data import templates
 from exgrpo_jax.models import attention
 from exgrpo_jax.models import config as config_lib
@@ -25,6 +26,7 @@ from exgrpo_jax.replay import selection
 from exgrpo_jax.rewards import graders
 from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import phase
+from exgrpo_jax.training import run_log
 
 # What a checkpoint's buffer, params and question stream were built for (prefixes).
 RESUME_FIXED = ("rollout.k", "model.path", "model.random_init", "model.arch.",
@@ -86,7 +88,14 @@ def check(c) -> None:
   if m.path:
     _file("model.path", m.path)
 
-  _data("data.train_path", c.data.train_path, c.data.dir)
+  _known("data.source", c.data.source, data_sources.SOURCES.names())
+  if c.data.source == "file":
+    _data("data.train_path", c.data.train_path, c.data.dir)
+  try:  # generating both splits takes milliseconds and catches too-small settings
+    if "arithmetic" in (c.data.source, c.eval.source):
+      data_sources.from_arithmetic(c, "train")
+  except (TypeError, ValueError) as e:
+    _require(False, "data.arithmetic", c.data.arithmetic.to_dict(), str(e))
   _known("data.template", c.data.template, templates.TEMPLATES.names())
   _range(c, "data.max_prompt_tokens", 0, low_open=True)
   _range(c, "data.limit", 0)
@@ -161,10 +170,18 @@ def check(c) -> None:
            f"larger than a mini-batch ({per_mini} responses = train.batch_questions x "
            "rollout.k / optim.mini_batches): the rest would be padding")
 
+  try:
+    run_log.parse_loggers(t.loggers)
+  except ValueError as e:
+    _require(False, "train.loggers", t.loggers, str(e))
+
   e = c.eval
   _range(c, "eval.every", 0)
-  if e.every:
-    _data("eval.path", e.path, c.data.dir)
+  _known("eval.source", e.source, data_sources.SOURCES.names())
+  _range(c, "eval.samples", 0)
+  if e.every or e.before_train:
+    if e.source == "file":
+      _data("eval.path", e.path, c.data.dir)
     _range(c, "eval.limit", 0)
     _range(c, "eval.temperature", 0)
     _range(c, "eval.max_new_tokens", 0, low_open=True)

@@ -2,7 +2,7 @@
 
   grader = Grader(config)
   stats = grader.grade(groups)              # sets every group's rewards [K]
-  metrics = grader.validate(engine, params, tokenizer)   # val/* metrics, eval.path
+  metrics = grader.validate(engine, params, tokenizer)   # val/* metrics, eval.source
 
 Verification runs in the reward pool's worker processes. Every process grades; process
 0's rewards are used everywhere, so a timeout on one host cannot make the processes'
@@ -28,6 +28,7 @@ class Grader:
                                    timeout_s=config.reward.timeout_s,
                                    plugin_modules=rewards.load_plugins(config.reward.plugins))
     self._eval_questions = None
+    self.eval_responses = []  # a few graded completions of the latest validation
 
   def grade(self, groups) -> dict:
     """Scores every response (a replayed one with its group); returns the pool's stats."""
@@ -43,23 +44,25 @@ class Grader:
     return stats
 
   def validate(self, engine, params, tokenizer) -> dict:
-    """Validation accuracy on `eval.path`, per data source and averaged (val/* metrics)."""
+    """Validation accuracy on `eval.source`, per data source and averaged (val/* metrics).
+
+    A few graded completions (`eval.samples`) are kept in `eval_responses`.
+    """
     config, cfg = self.config, self.config.eval
-    if not cfg.path:
+    if not data.sources.has_eval_data(config):
       return {}
     if self._eval_questions is None:
-      self._eval_questions = data.load_questions(
-          cfg.path, skip_bad_rows=config.data.skip_bad_rows, limit=cfg.limit,
-          reward_name=config.reward.name, data_dir=config.data.dir).questions
+      self._eval_questions = data.sources.load(config, "eval").questions
     # Same template (system prompt included) and length limit as the training prompts.
     options = evaluation.EvalOptions(template=config.data.template, remove_system=False,
                                      max_prompt_tokens=config.data.max_prompt_tokens,
-                                     n=cfg.n)
+                                     n=cfg.n, keep_responses=cfg.samples > 0)
     result = evaluation.evaluate(
         engine, params, tokenizer, self._eval_questions,
         sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
                                 max_new_tokens=cfg.max_new_tokens),
         self.pool, jax.random.key(config.train.seed), options)
+    self.eval_responses = result.get("responses", [])[:cfg.samples]
     metrics = {f"val/test_score/{src}": v["avg@k"] for src, v in result["per_source"].items()}
     metrics["val/avg_score"] = result["overall"]["avg@k"]
     metrics["val/response_length"] = result["overall"]["mean_response_length"]

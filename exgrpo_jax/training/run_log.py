@@ -1,10 +1,20 @@
-"""Run logging: a JSONL file, TensorBoard event files and a one-line console progress bar.
+"""Run logging: metric loggers by name, the resolved config, evaluation samples, progress.
+
+  log = RunLog(workdir, total_steps, start_step, loggers="jsonl,tensorboard", config=c)
+  log.write(step, metrics); log.progress(step, metrics); log.eval_samples(step, responses)
+
+Loggers (`train.loggers`, comma-separated): `jsonl` (`<workdir>/metrics.jsonl`),
+`tensorboard` (`<workdir>/tensorboard`, needs tensorboardX) and `wandb` (Weights & Biases,
+when installed; project `$WANDB_PROJECT` or "exgrpo_jax", one run per workdir, resumed
+with it). At start the resolved config goes to `<workdir>/config.json`; every evaluation
+appends a few graded completions to `<workdir>/eval_samples.jsonl` and prints them.
 
 Metric names follow the reference implementation (`batch/solved`, `experience/*`,
 `bucket/{k}_count`, `actor/*`, `response_length/*`, `timing_s/*`, `val/*`), so plots
 and dashboards read the same. Only process 0 writes.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -14,37 +24,121 @@ import time
 import jax
 import numpy as np
 
+from exgrpo_jax import registry
+
+LOGGERS = registry.Registry("logger")
+
+# (metric, label) pairs of the console progress line, when present.
+PROGRESS = (("batch/solved", "solved"), ("experience/batch_size", "replayed"),
+            ("experience/questions", "buffer"), ("experience/retired", "retired"),
+            ("val/avg_score", "val"), ("actor/pg_loss", "pg_loss"),
+            ("actor/entropy", "entropy"), ("response_length/mean", "len"),
+            ("timing_s/step", "step_s"))
+
+
+def parse_loggers(names: str) -> list[str]:
+  """The logger names of `train.loggers`; ValueError for unknown or uninstalled ones."""
+  parsed = [n.strip() for n in names.split(",") if n.strip()]
+  for name in parsed:
+    if name not in LOGGERS:
+      raise ValueError(f"unknown logger {name!r}; choose from {', '.join(LOGGERS.names())}")
+  if "wandb" in parsed and importlib.util.find_spec("wandb") is None:
+    raise ValueError("logger 'wandb' needs the wandb package: pip install wandb")
+  return parsed
+
+
+@LOGGERS.register("jsonl")
+class JsonlLogger:
+  """One JSON object per step in `<workdir>/metrics.jsonl` (appended across resumes)."""
+
+  def __init__(self, workdir: str, config):
+    del config
+    self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+
+  def write(self, step: int, metrics: dict) -> None:
+    self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+@LOGGERS.register("tensorboard")
+class TensorBoardLogger:
+  """TensorBoard scalars under `<workdir>/tensorboard` (skipped if tensorboardX is absent)."""
+
+  def __init__(self, workdir: str, config):
+    del config
+    try:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    except ImportError:
+      self._writer = None
+      print("[exgrpo_jax] tensorboardX not installed: no TensorBoard events",
+            file=sys.stderr)
+
+  def write(self, step: int, metrics: dict) -> None:
+    if self._writer is None:
+      return
+    for k, v in metrics.items():
+      if v is not None and math.isfinite(v):
+        self._writer.add_scalar(k, v, step)
+    self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+
+
+@LOGGERS.register("wandb")
+class WandbLogger:
+  """A Weights & Biases run; its id is kept in `<workdir>/wandb_id` so a resume continues it."""
+
+  def __init__(self, workdir: str, config):
+    import wandb  # pylint: disable=g-import-not-at-top
+    id_path = os.path.join(workdir, "wandb_id")
+    if os.path.exists(id_path):
+      with open(id_path, encoding="utf-8") as f:
+        run_id = f.read().strip()
+    else:
+      run_id = wandb.util.generate_id()
+      with open(id_path, "w", encoding="utf-8") as f:
+        f.write(run_id)
+    self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "exgrpo_jax"), id=run_id,
+                           name=os.path.basename(os.path.abspath(workdir)), dir=workdir,
+                           config=config, resume="allow")
+
+  def write(self, step: int, metrics: dict) -> None:
+    self._run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+  def close(self) -> None:
+    self._run.finish()
+
 
 class RunLog:
-  """Appends metrics to `<workdir>/metrics.jsonl` and TensorBoard; prints progress."""
+  """Sends metrics to the configured loggers; prints progress and evaluation samples."""
 
-  def __init__(self, workdir: str, total_steps: int, start_step: int = 0):
+  def __init__(self, workdir: str, total_steps: int, start_step: int = 0,
+               loggers: str = "jsonl,tensorboard", config: dict | None = None):
     self.enabled = jax.process_index() == 0
+    self.workdir = workdir
     self.total_steps = total_steps
     self._start_time = time.time()
     self._start_step = start_step
-    self._tb = None
+    self._loggers = []
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
-      try:
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-      except ImportError:
-        print("[exgrpo_jax] tensorboardX not installed: no TensorBoard events",
-              file=sys.stderr)
+      if config is not None:
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+          json.dump(config, f, indent=2, sort_keys=True, default=str)
+      self._loggers = [LOGGERS.get(name)(workdir, config) for name in parse_loggers(loggers)]
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:
       return
     clean = {k: _to_float(v) for k, v in metrics.items()}
-    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
-    self._jsonl.flush()
-    if self._tb is not None:
-      for k, v in clean.items():
-        if v is not None and math.isfinite(v):
-          self._tb.add_scalar(k, v, step)
-      self._tb.flush()
+    for logger in self._loggers:
+      logger.write(step, clean)
 
   def progress(self, step: int, metrics: dict) -> None:
     """One console line: step, ETA and the headline metrics."""
@@ -52,19 +146,26 @@ class RunLog:
       return
     done = step - self._start_step
     elapsed = time.time() - self._start_time
-    eta = elapsed / max(done, 1) * (self.total_steps - step)
-    keys = ("batch/solved", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
-            "experience/questions", "experience/retired", "response_length/mean",
-            "timing_s/step")
-    parts = [f"{k.split('/')[-1]}={_to_float(metrics[k]):.4g}" for k in keys if k in metrics]
-    print(f"step {step}/{self.total_steps} [{_hms(elapsed)}<{_hms(eta)}] " + " ".join(parts),
+    eta = _hms(elapsed / done * (self.total_steps - step)) if done > 0 else "?"
+    parts = [f"{label}={_to_float(metrics[k]):.4g}" for k, label in PROGRESS if k in metrics]
+    print(f"step {step}/{self.total_steps} [{_hms(elapsed)}<{eta}] " + " ".join(parts),
           flush=True)
 
+  def eval_samples(self, step: int, responses: list[dict]) -> None:
+    """Appends graded completions to `eval_samples.jsonl` and prints them, one line each."""
+    if not self.enabled or not responses:
+      return
+    with open(os.path.join(self.workdir, "eval_samples.jsonl"), "a", encoding="utf-8") as f:
+      f.writelines(json.dumps({"step": step, **r}) + "\n" for r in responses)
+    for r in responses:
+      print(f"  eval sample (step {step}, reward {r['reward']:g}, answer "
+            f"{r['ground_truth']}): {r['problem'][:60]!r} -> {r['response'][:80]!r}",
+            flush=True)
+
   def close(self) -> None:
-    if self.enabled:
-      self._jsonl.close()
-      if self._tb is not None:
-        self._tb.close()
+    for logger in self._loggers:
+      logger.close()
+    self._loggers = []
 
 
 def _to_float(v):

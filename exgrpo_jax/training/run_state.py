@@ -83,8 +83,7 @@ class RunState:
 
     # Custom rewards register themselves on import; the data loader checks reward names.
     rewards.load_plugins(config.reward.plugins)
-    self.prompts, self.data_stats = self._load_prompts(config.data.train_path,
-                                                       config.data.limit)
+    self.prompts, self.data_stats = self._load_prompts()
     self._by_uid = {p.question.uid: p for p in self.prompts}
     self.stream = data.QuestionStream([p.question for p in self.prompts],
                                       seed=config.train.seed)
@@ -97,11 +96,11 @@ class RunState:
     return dict(self.config.replay.to_dict(), vocab_size=self.model_cfg.vocab_size,
                 correct_threshold=self.config.reward.correct_threshold)
 
-  def _load_prompts(self, path: str, limit: int):
-    """Questions of `path` rendered with the configured template (too long: dropped)."""
+  def _load_prompts(self):
+    """Training questions (`data.source`) rendered with the template (too long: dropped)."""
     cfg = self.config
-    loaded = data.load_questions(path, skip_bad_rows=cfg.data.skip_bad_rows, limit=limit,
-                                 reward_name=cfg.reward.name, data_dir=cfg.data.dir)
+    loaded = data.sources.load(cfg, "train")
+    path = loaded.path
     prompts, dropped = data.render_prompts(loaded.questions, self.tokenizer,
                                            template=cfg.data.template,
                                            max_prompt_tokens=cfg.data.max_prompt_tokens)

@@ -61,7 +61,8 @@ class Trainer:
                                                  st.tokenizer, **options)
     self.grader = grading.Grader(config)
     self.actor = actor_lib.Actor(config, st.model_cfg, st.pad_id)
-    self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step)
+    self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step,
+                              loggers=config.train.loggers, config=config.to_dict())
     self._stop_requested = False
 
   # --- one training step --------------------------------------------------------------------
@@ -236,16 +237,26 @@ class Trainer:
     models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source)
     print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
 
+  def _evaluate(self) -> dict:
+    """val/* metrics; a few graded completions go to the run log."""
+    metrics = self.grader.validate(self.engine, self.state.params, self.state.tokenizer)
+    self.log.eval_samples(self.state.step, self.grader.eval_responses)
+    return metrics
+
   def run(self) -> dict:
     """Trains until `train.steps`; checkpoints, evaluates and logs along the way."""
     cfg, st = self.config, self.state
     previous = signal.signal(signal.SIGTERM, self._request_stop)
     metrics = {}
     try:
+      if cfg.eval.before_train and st.step == 0:
+        start = self._evaluate()
+        self.log.write(0, start)
+        self.log.progress(0, start)
       while st.step < cfg.train.steps and not self._stop_on_all_processes():
         metrics = self.train_step()
-        if cfg.eval.every and st.step % cfg.eval.every == 0:
-          metrics.update(self.grader.validate(self.engine, st.params, st.tokenizer))
+        if cfg.eval.every and (st.step % cfg.eval.every == 0 or st.step == cfg.train.steps):
+          metrics.update(self._evaluate())
         self.log.write(st.step, metrics)
         if st.step % cfg.train.log_every == 0:
           self.log.progress(st.step, metrics)

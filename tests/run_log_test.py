@@ -1,0 +1,102 @@
+"""Run logging: loggers by name, the config written at start, evaluation samples."""
+
+import glob
+import importlib
+import importlib.util
+import json
+import os
+
+import ml_collections
+import pytest
+
+from exgrpo_jax.training import config_check
+from exgrpo_jax.training import run_log
+
+
+def _config():
+  return importlib.import_module("configs.smollm2_135m").get_config()
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+  pytest.importorskip("tensorboardX")
+  log = run_log.RunLog(str(tmp_path), total_steps=2, loggers="jsonl,tensorboard")
+  log.write(1, {"batch/solved": 0.25, "experience/questions": 3})
+  log.write(2, {"batch/solved": 0.5, "val/avg_score": None})
+  log.close()
+  rows = run_log.read_metrics(str(tmp_path))
+  assert [(r["step"], r["batch/solved"]) for r in rows] == [(1, 0.25), (2, 0.5)]
+  assert rows[1]["val/avg_score"] is None
+  assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+
+
+def test_only_the_chosen_loggers_write(tmp_path):
+  log = run_log.RunLog(str(tmp_path), total_steps=1, loggers="tensorboard")
+  log.write(1, {"batch/solved": 0.25})
+  log.close()
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_unknown_logger_and_missing_wandb_are_one_line_config_errors():
+  c = _config()
+  c.train.loggers = "jsonl,mlflow"
+  with pytest.raises(config_check.ConfigError, match="unknown logger 'mlflow'"):
+    config_check.check(c)
+  if importlib.util.find_spec("wandb") is not None:
+    pytest.skip("wandb is installed here")
+  c.train.loggers = "jsonl,wandb"
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  assert str(e.value) == ("config.train.loggers='jsonl,wandb': logger 'wandb' needs the "
+                          "wandb package: pip install wandb")
+
+
+def test_resolved_config_round_trips_through_config_json(tmp_path):
+  c = _config()
+  c.algo.shaping_gamma = None  # None and tuples must survive
+  run_log.RunLog(str(tmp_path), total_steps=1, loggers="", config=c.to_dict()).close()
+  with open(tmp_path / "config.json", encoding="utf-8") as f:
+    loaded = ml_collections.ConfigDict(json.load(f))
+  assert loaded.to_json(sort_keys=True) == c.to_json(sort_keys=True)
+  config_check.check(loaded)
+
+
+def test_eval_samples_are_appended_and_printed(tmp_path, capsys):
+  log = run_log.RunLog(str(tmp_path), total_steps=2, loggers="")
+  sample = dict(uid=3, data_source="arith_add", problem="What is 2 + 3?", ground_truth="5",
+                response="2 + 3 = 5", reward=1.0, status="ok")
+  log.eval_samples(0, [sample])
+  log.eval_samples(2, [dict(sample, response="6", reward=0.0)])
+  with open(tmp_path / "eval_samples.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  assert [(r["step"], r["reward"], r["response"]) for r in rows] == [
+      (0, 1.0, "2 + 3 = 5"), (2, 0.0, "6")]
+  out = capsys.readouterr().out
+  assert "reward 1, answer 5): 'What is 2 + 3?' -> '2 + 3 = 5'" in out
+
+
+def test_progress_line_shows_replay_buffer_and_validation(tmp_path, capsys):
+  log = run_log.RunLog(str(tmp_path), total_steps=4, loggers="")
+  log.progress(2, {"batch/solved": 0.375, "experience/batch_size": 2,
+                   "experience/questions": 5, "experience/retired": 1, "val/avg_score": 0.4})
+  out = capsys.readouterr().out
+  assert "solved=0.375 replayed=2 buffer=5 retired=1 val=0.4" in out
+
+
+@pytest.mark.slow
+def test_training_run_evaluates_at_start_and_end_and_logs_samples(tmp_path):
+  """A tiny random model on the arithmetic source: real sampler, rewards and loggers."""
+  from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  c = importlib.import_module("configs.tiny").get_config()
+  c.data.source = c.eval.source = "arithmetic"
+  c.eval.before_train, c.eval.every, c.eval.limit, c.eval.samples = True, 5, 6, 2
+  c.train.steps, c.train.loggers = 2, "jsonl"
+  trainer_lib.Trainer(c, str(tmp_path)).run()
+  rows = run_log.read_metrics(str(tmp_path))
+  assert [(r["step"], "val/avg_score" in r) for r in rows] == [(0, True), (1, False),
+                                                                (2, True)]
+  with open(tmp_path / "eval_samples.jsonl", encoding="utf-8") as f:
+    samples = [json.loads(line) for line in f]
+  assert [s["step"] for s in samples] == [0, 0, 2, 2]
+  assert all(s["problem"].startswith("What is ") and s["status"] for s in samples)
+  with open(tmp_path / "config.json", encoding="utf-8") as f:
+    assert json.load(f)["data"]["source"] == "arithmetic"
