@@ -1,7 +1,7 @@
 """Orbax checkpoints of a training run: everything needed to continue exactly.
 
 Layout: `<workdir>/checkpoints/<step>/` with four items, written with the current
-`ocp.args` API through one `CheckpointManager` (keep-last-N, atomic step directories):
+`ocp.args` API through one `CheckpointManager` (atomic step directories):
 
   params  the policy parameters (restorable alone, for export and evaluation)
   opt     optimizer state, step counter and PRNG key data
@@ -9,70 +9,233 @@ Layout: `<workdir>/checkpoints/<step>/` with four items, written with the curren
   meta    JSON: model config, run config, data-stream state, buffer scalars and RNG
           state, the delayed-start flag, the tokenizer source
 
-Resume order (the trainer's): (1) the workdir's latest checkpoint; (2) the model path
-in the config.
+and `MANIFEST`: the size and CRC-32 of every file, written once Orbax has finished.
+
+Integrity: `save` refuses non-finite parameters; `restore_newest_intact` verifies the
+manifest, restores, and checks every restored array's shape and finiteness, falling
+back to the next older step (one line per damaged step, which is moved to
+`<workdir>/checkpoints.damaged/` so the run can write that step again). Rotation keeps
+the `keep` newest checkpoints and runs only after the new one's manifest is written, so
+the last good checkpoint is never deleted before its successor is complete.
+
+Resume order (the trainer's): (1) the workdir's newest intact checkpoint; (2) the model
+path in the config.
 
 Multi-process runs: every process calls `save`/`restore` (Orbax synchronises them);
 each writes and reads its own shards of `params` and `opt`, and only process 0 writes
-the replicated `host` arrays and the `meta` JSON (Orbax writes replicated data from the
-primary process). `restore` reads into the shardings of the given abstract trees, so a
-checkpoint can be resumed on another mesh; export reads it onto one CPU.
+the replicated `host` arrays, the `meta` JSON and the manifest (which assumes the
+shared file system Orbax needs anyway). `restore` reads into the shardings of the given
+abstract trees, so a checkpoint can be resumed on another mesh; export reads it onto
+one CPU.
 """
 
 import dataclasses
 import json
 import os
+import shutil
+import sys
+import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from exgrpo_jax.models import config as config_lib
 
 ITEMS = ("params", "opt", "host", "meta")
+MANIFEST = "exgrpo_manifest.json"
+
+
+class CheckpointError(Exception):
+  """A checkpoint cannot be written, or no intact one can be read."""
 
 
 def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
+def damaged_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints.damaged")
+
+
+def _file_digests(step_dir: str) -> dict[str, list[int]]:
+  """{relative path: [size, crc32]} of every file under `step_dir` but the manifest."""
+  digests = {}
+  for root, _, files in os.walk(step_dir):
+    for name in files:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir)
+      if rel.startswith(MANIFEST):
+        continue
+      crc = 0
+      with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+          crc = zlib.crc32(chunk, crc)
+      digests[rel] = [os.path.getsize(path), crc]
+  return digests
+
+
+def write_manifest(step_dir: str) -> None:
+  digests = _file_digests(step_dir)
+  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(digests, f)
+  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def damage(step_dir: str) -> str | None:
+  """Why `step_dir` is not an intact checkpoint, or None (checked against its manifest;
+  a checkpoint written before manifests existed passes if all its items are there)."""
+  missing = [item for item in ITEMS if not os.path.isdir(os.path.join(step_dir, item))]
+  if missing:
+    return "empty step directory" if len(missing) == len(ITEMS) else \
+        f"missing item(s) {', '.join(missing)}"
+  manifest = os.path.join(step_dir, MANIFEST)
+  if not os.path.exists(manifest):
+    return None
+  try:
+    with open(manifest, encoding="utf-8") as f:
+      expected = json.load(f)
+  except (OSError, ValueError) as e:
+    return f"unreadable manifest ({e})"
+  actual = _file_digests(step_dir)
+  for rel, (size, crc) in expected.items():
+    if rel not in actual:
+      return f"file {rel} is missing"
+    if actual[rel][0] != size:
+      return f"file {rel} has {actual[rel][0]} bytes, expected {size}"
+    if actual[rel][1] != crc:
+      return f"file {rel} fails its checksum"
+  return None
+
+
+def _check_arrays(item: str, restored, abstract) -> None:
+  """Every restored array has the expected shape and (floating) finite values."""
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(restored),
+                          jax.tree.leaves(abstract)):
+    name = f"{item}{jax.tree_util.keystr(path)}"
+    if tuple(a.shape) != tuple(b.shape):
+      raise CheckpointError(f"{name} has shape {tuple(a.shape)}, expected {tuple(b.shape)}")
+    if jnp.issubdtype(a.dtype, jnp.floating) and not bool(jnp.isfinite(a).all()):
+      raise CheckpointError(f"{name} holds non-finite values")
+
+
+def all_finite(tree) -> bool:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return bool(jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))) if leaves else True
+
+
+def root_cause(e: BaseException) -> str:
+  """The innermost cause of `e` (e.g. the OSError behind Orbax's wrapper), on one line."""
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ or e.__context__
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 class CheckpointStore:
-  """Saves and restores training state under `<workdir>/checkpoints`."""
+  """Saves, verifies and restores training state under `<workdir>/checkpoints`."""
 
   def __init__(self, workdir: str, keep: int = 2):
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=False)
-    self._manager = ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
+    self.workdir = workdir
+    self.keep = keep
+    self.directory = checkpoint_dir(workdir)
+    # Rotation is ours (after the manifest is written), not Orbax's.
+    options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+                                           enable_async_checkpointing=False,
+                                           cleanup_tmp_directories=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=ITEMS)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, params, opt, host: dict, meta: dict) -> None:
     """Writes one checkpoint (blocking, so a SIGTERM handler can rely on it)."""
+    if not all_finite(params):
+      raise CheckpointError(f"step {step}: the parameters are not finite; not checkpointed")
     host = {k: np.asarray(v) for k, v in host.items()}
     # Orbax cannot write zero-size arrays; their shape and dtype travel in meta.
     meta = dict(meta, empty_host_arrays={k: [list(v.shape), v.dtype.str]
                                          for k, v in host.items() if v.size == 0})
     host = {k: v for k, v in host.items() if v.size} or {"empty": np.zeros(())}
-    self._manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        opt=ocp.args.StandardSave(opt),
-        host=ocp.args.StandardSave(host),
-        meta=ocp.args.JsonSave(meta)), force=True)
-    self._manager.wait_until_finished()
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params),
+          opt=ocp.args.StandardSave(opt),
+          host=ocp.args.StandardSave(host),
+          meta=ocp.args.JsonSave(meta)), force=True)
+      self._manager.wait_until_finished()
+      if jax.process_index() == 0:
+        write_manifest(self.step_dir(step))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"writing checkpoint {self.step_dir(step)} failed: "
+                            f"{root_cause(e)}") from e
+    self._rotate()
+
+  def _rotate(self) -> None:
+    for old in sorted(self._manager.all_steps())[:-self.keep]:
+      self._manager.delete(old)
 
   def restore(self, step: int, abstract_params, abstract_opt):
-    """Returns (params, opt, host, meta); params/opt follow the abstract trees' shardings."""
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params),
-        opt=ocp.args.StandardRestore(abstract_opt),
-        host=ocp.args.StandardRestore(),
-        meta=ocp.args.JsonRestore()))
+    """Returns (params, opt, host, meta); params/opt follow the abstract trees' shardings.
+
+    Raises CheckpointError naming what is wrong if the step is damaged.
+    """
+    reason = damage(self.step_dir(step))
+    if reason:
+      raise CheckpointError(reason)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract_params),
+          opt=ocp.args.StandardRestore(abstract_opt),
+          host=ocp.args.StandardRestore(),
+          meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"Orbax cannot read it ({root_cause(e)})") from e
+    _check_arrays("params", restored.params, abstract_params)
+    _check_arrays("opt", restored.opt, abstract_opt)
     host = {k: np.asarray(v) for k, v in restored.host.items() if k != "empty"}
     for k, (shape, dtype) in restored.meta.pop("empty_host_arrays", {}).items():
       host[k] = np.zeros(shape, np.dtype(dtype))
     return restored.params, restored.opt, host, restored.meta
+
+  def restore_newest_intact(self, abstract_params, abstract_opt):
+    """(step, (params, opt, host, meta)) of the newest intact checkpoint, or None if there
+    is none at all. Damaged newer steps are reported and moved aside; if every step is
+    damaged nothing is moved and CheckpointError says so."""
+    damaged = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        restored = self.restore(step, abstract_params, abstract_opt)
+      except CheckpointError as e:
+        damaged.append((step, str(e)))
+        continue
+      for bad, reason in damaged:
+        moved = self._move_aside(bad)
+        print(f"[exgrpo_jax] checkpoint {bad} is damaged ({reason}): moved to {moved}; "
+              f"falling back to step {step}", file=sys.stderr, flush=True)
+      return step, restored
+    if damaged:
+      raise CheckpointError(f"{self.directory}: no intact checkpoint (" + "; ".join(
+          f"step {s}: {r}" for s, r in damaged) + "); move the directory away to start over")
+    return None
+
+  def _move_aside(self, step: int) -> str:
+    if jax.process_index() == 0:
+      os.makedirs(damaged_dir(self.workdir), exist_ok=True)
+      dst, n = os.path.join(damaged_dir(self.workdir), str(step)), 1
+      while os.path.exists(dst):
+        dst, n = os.path.join(damaged_dir(self.workdir), f"{step}.{n}"), n + 1
+      shutil.move(self.step_dir(step), dst)
+    else:
+      dst = damaged_dir(self.workdir)
+    self._manager.reload()
+    return dst
 
   def close(self):
     self._manager.close()
@@ -90,36 +253,63 @@ def model_config_from_json(d: dict) -> config_lib.ModelConfig:
   return config_lib.ModelConfig(**d)
 
 
-def latest_step_dir(path: str) -> str | None:
-  """The step directory `path` names (a workdir, its checkpoints dir, or a step dir)."""
+def step_dirs(path: str) -> list[str]:
+  """The step directories `path` names (a workdir, its checkpoints dir, or a step dir),
+  newest first."""
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "meta")) and os.path.isdir(os.path.join(path, "params")):
-    return path
+    return [path]
   for candidate in (checkpoint_dir(path), path):
     if os.path.isdir(candidate):
-      steps = [int(d) for d in os.listdir(candidate) if d.isdigit()
-               and os.path.isdir(os.path.join(candidate, d, "meta"))]
+      steps = sorted((int(d) for d in os.listdir(candidate) if d.isdigit()
+                      and os.path.isdir(os.path.join(candidate, d, "meta"))), reverse=True)
       if steps:
-        return os.path.join(candidate, str(max(steps)))
-  return None
+        return [os.path.join(candidate, str(s)) for s in steps]
+  return []
+
+
+def latest_step_dir(path: str) -> str | None:
+  return next(iter(step_dirs(path)), None)
 
 
 def is_training_checkpoint(path: str) -> bool:
   return os.path.isdir(path) and latest_step_dir(path) is not None
 
 
-def load_policy_for_export(path: str):
-  """(ModelConfig, params as numpy, tokenizer source) from a workdir or step directory."""
-  step_dir = latest_step_dir(path)
-  if step_dir is None:
-    raise FileNotFoundError(f"{path}: no exgrpo_jax checkpoint found")
-  with open(os.path.join(step_dir, "meta", "metadata")) as f:
+def _load_params(step_dir: str):
+  reason = damage(step_dir)
+  if reason:
+    raise CheckpointError(reason)
+  with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
     meta = json.load(f)
   checkpointer = ocp.StandardCheckpointer()
   params_dir = os.path.join(step_dir, "params")
   # Read onto this host's CPU whatever mesh wrote it (e.g. 8 GPUs or several hosts).
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
-                        checkpointer.metadata(params_dir).item_metadata)
-  params = jax.tree.map(np.asarray, checkpointer.restore(params_dir, target))
+  try:
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
+                          checkpointer.metadata(params_dir).item_metadata)
+    params = jax.tree.map(np.asarray, checkpointer.restore(params_dir, target))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f"Orbax cannot read it ({root_cause(e)})") from e
+  _check_arrays("params", params, target)
   return model_config_from_json(meta["model_config"]), params, meta["tokenizer_source"]
+
+
+def load_policy_for_export(path: str):
+  """(ModelConfig, params as numpy, tokenizer source) from a workdir or step directory:
+  its newest intact step (a damaged newer one is skipped with one line)."""
+  candidates = step_dirs(path)
+  if not candidates:
+    raise FileNotFoundError(f"{path}: no exgrpo_jax checkpoint found")
+  reasons = []
+  for step_dir in candidates:
+    try:
+      loaded = _load_params(step_dir)
+    except CheckpointError as e:
+      reasons.append(f"{step_dir}: {e}")
+      continue
+    for reason in reasons:
+      print(f"[exgrpo_jax] skipped damaged checkpoint {reason}", file=sys.stderr, flush=True)
+    return loaded
+  raise CheckpointError(f"no intact checkpoint in {path} ({'; '.join(reasons)})")
