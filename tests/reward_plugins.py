@@ -40,3 +40,12 @@ def even_length(solution: str, ground_truth: str) -> float:
   reward for random-weight models (their groups then fill the replay buffer)."""
   del ground_truth
   return float(len(solution) % 2 == 0)
+
+
+# A slow start for the pool's "killed while starting" test: the first worker to import
+# this module (the marker file does not exist yet) sleeps before it is ready.
+_SLOW_START_MARKER = os.environ.get("EXGRPO_TEST_SLOW_START_MARKER")
+if _SLOW_START_MARKER and not os.path.exists(_SLOW_START_MARKER):
+  with open(_SLOW_START_MARKER, "w", encoding="utf-8") as _f:
+    _f.write(str(os.getpid()))
+  time.sleep(30)
