@@ -6,8 +6,9 @@
 
 Exit statuses (README, "Exit statuses"):
   0    done
-  1    an error: bad data, model path, checkpoint, disk, ...: one line `error: ...` on
-       stderr (`--debug` re-raises it with its traceback)
+  1    an error: bad data, model path, checkpoint, disk, ...: one line `error: ...`
+       (`exgrpo_jax.train: ...` for training) on stderr; `--debug` re-raises it with
+       its traceback
   2    bad arguments (argparse / absl flags)
   75   preempted: SIGTERM or Ctrl-C stopped a training run after checkpointing its last
        complete step; rerunning the same command resumes (EX_TEMPFAIL of sysexits.h)
@@ -34,13 +35,13 @@ def one_line(e: BaseException) -> str:
   return text
 
 
-def error(message: str) -> int:
-  print(f"error: {message}", file=sys.stderr, flush=True)
+def error(message: str, prefix: str = "error") -> int:
+  print(f"{prefix}: {message}", file=sys.stderr, flush=True)
   return EXIT_ERROR
 
 
-def guarded(run: Callable[[], int | None], debug: bool = False) -> int:
-  """Runs `run`; any exception becomes one `error:` line and exit status 1."""
+def guarded(run: Callable[[], int | None], debug: bool = False, prefix: str = "error") -> int:
+  """Runs `run`; any exception becomes one `{prefix}: ...` line and exit status 1."""
   try:
     return run() or 0
   except KeyboardInterrupt:
@@ -51,7 +52,7 @@ def guarded(run: Callable[[], int | None], debug: bool = False) -> int:
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       raise
-    return error(one_line(e) + " (--debug shows the traceback)")
+    return error(one_line(e), prefix)
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:

@@ -67,8 +67,8 @@ def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | 
   dst = os.path.abspath(dst)
   if not _replaceable(dst):
     raise FileExistsError(f"{dst} exists and is not a model directory; not overwriting it")
+  _remove_stale_temporaries(dst)
   tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-{os.getpid()}")
-  shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   try:
     _write(cfg, params, tmp, dtype or cfg.param_dtype, tokenizer_src, max_shard_bytes)
@@ -84,6 +84,27 @@ def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | 
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return dst
+
+
+def _remove_stale_temporaries(dst: str) -> None:
+  """Temporary directories of exports killed midway (their process is gone)."""
+  parent, prefix = os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-"
+  for name in os.listdir(parent) if os.path.isdir(parent) else ():
+    pid = name[len(prefix):].split(".")[0]
+    if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+  if pid == os.getpid():
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True
 
 
 def _write(cfg, params, dst: str, dtype: str, tokenizer_src: str | None,

@@ -8,12 +8,12 @@ start), pick each replay's lowest-entropy trajectory under the current policy, r
 K fresh samples (K-1 for replayed questions), verify rewards in worker processes, compute
 group advantages, update the buffer (retire K/K, bucket and store 1..K-1), then take
 `optim.mini_batches` jitted AdamW steps. Metrics go to JSONL/TensorBoard, checkpoints are
-written every `train.checkpoint_every` steps and on SIGTERM, and the run evaluates on
-`eval.path` every `eval.every` steps.
+written every `train.checkpoint_every` steps and on SIGTERM / Ctrl-C, and the run evaluates
+on `eval.path` every `eval.every` steps. The workdir is locked for the run; a non-finite
+loss stops it (run_guard.py).
 """
 
 import os
-import signal
 import time
 
 import jax
@@ -23,10 +23,13 @@ from exgrpo_jax import advantages
 from exgrpo_jax import distributed
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax import workdir_lock
+from exgrpo_jax.models import export
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import experience
 from exgrpo_jax.training import learner
 from exgrpo_jax.training import padding
+from exgrpo_jax.training import run_guard
 from exgrpo_jax.training import run_log
 from exgrpo_jax.training import run_state
 
@@ -38,15 +41,30 @@ class Trainer:
     config_check.check(config)
     self.config = config
     self.workdir = workdir
-    self.state = run_state.RunState.create_or_restore(config, workdir)
+    # Before anything is read or written: a second trainer here is refused.
+    self._lock = workdir_lock.WorkdirLock.acquire(workdir, primary=jax.process_index() == 0)
+    try:
+      self.state = run_state.RunState.create_or_restore(config, workdir)
+    except BaseException:
+      self._lock.release()
+      raise
     st = self.state
+    try:
+      run_guard.check_context([len(p.ids) for p in st.prompts], config.rollout.max_new_tokens,
+                              st.model_cfg)
+    except ValueError:
+      st.close()
+      self._lock.release()
+      raise
     # max_rows bounds the JAX sampler's KV cache (BUILD.md, "Memory plan").
     options = ({"max_rows": config.rollout.max_rows or None}
                if config.rollout.engine == "jax" else {})
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
+    run_guard.truncate_metrics(workdir, st.step)  # one row per step after a resume
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step)
     self._stop_requested = False
+    self.preempted = False  # stopped by SIGTERM / Ctrl-C before train.steps
     self._algo = learner.frozen(config.algo)
     self._optim = learner.frozen(config.optim)
 
@@ -223,12 +241,9 @@ class Trainer:
 
   # --- the loop -----------------------------------------------------------------------------
 
-  def _request_stop(self, signum, frame):  # pylint: disable=unused-argument
-    self._stop_requested = True
-
-  def _stop_on_all_processes(self) -> bool:
+  def _stop_on_all_processes(self, stop: run_guard.StopSignals) -> bool:
     # A SIGTERM may reach one host only; all must stop (and checkpoint) at the same step.
-    self._stop_requested = distributed.any_process(self._stop_requested)
+    self._stop_requested = distributed.any_process(stop.requested is not None)
     return self._stop_requested
 
   def _export(self) -> None:
@@ -240,32 +255,37 @@ class Trainer:
             f"{self.workdir} --dst {dst}`", flush=True)
       return
     t = time.time()
-    models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source)
+    models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source,
+                           info={"step": st.step})
     print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
 
   def run(self) -> dict:
     """Trains until `train.steps`; checkpoints, evaluates and logs along the way."""
     cfg, st = self.config, self.state
-    previous = signal.signal(signal.SIGTERM, self._request_stop)
     metrics = {}
     try:
-      while st.step < cfg.train.steps and not self._stop_on_all_processes():
-        metrics = self.train_step()
-        if cfg.eval.every and st.step % cfg.eval.every == 0:
-          metrics.update(st.evaluate(self.engine))
-        self.log.write(st.step, metrics)
-        if st.step % cfg.train.log_every == 0:
-          self.log.progress(st.step, metrics)
-        if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
-          st.save()
-        if st.step == cfg.train.steps and cfg.train.export_dir:
-          self._export()
-      if self._stop_requested:
-        print(f"SIGTERM: checkpoint at step {st.step}; exiting", flush=True)
-        if st.store.latest_step() != st.step:
-          st.save()
+      with run_guard.StopSignals() as stop:
+        while st.step < cfg.train.steps and not self._stop_on_all_processes(stop):
+          metrics = self.train_step()
+          if cfg.eval.every and st.step % cfg.eval.every == 0:
+            metrics.update(st.evaluate(self.engine))
+          self.log.write(st.step, metrics)
+          run_guard.check_finite(st.step, metrics, st.store.latest_step())
+          if st.step % cfg.train.log_every == 0:
+            self.log.progress(st.step, metrics)
+          if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
+            st.save()
+        if self._stop_requested and st.step < cfg.train.steps:
+          print(f"{stop.requested or 'stop'}: checkpoint at step {st.step}; exiting",
+                flush=True)
+          if st.store.latest_step() != st.step:
+            st.save()
+          self.preempted = True
+        elif cfg.train.export_dir and not export.is_complete(
+            os.path.join(self.workdir, cfg.train.export_dir), {"step": st.step}):
+          self._export()  # also redoes an export that a killed run left unfinished
     finally:
-      signal.signal(signal.SIGTERM, previous)
       self.log.close()
       st.close()
+      self._lock.release()
     return metrics
