@@ -9,7 +9,8 @@ Layout: `<workdir>/checkpoints/<step>/` with four items, written with the curren
   meta    JSON: model config, run config, data-stream state, buffer scalars and RNG
           state, the delayed-start flag, the tokenizer source
 
-and `MANIFEST`: the size and CRC-32 of every file, written once Orbax has finished.
+and `MANIFEST`: the size and CRC-32 of every file, written once Orbax has finished
+(`checkpoint_integrity.py`).
 
 Integrity: `save` refuses non-finite parameters; `restore_newest_intact` verifies the
 manifest, restores, and checks every restored array's shape and finiteness, falling
@@ -34,21 +35,17 @@ import json
 import os
 import shutil
 import sys
-import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from exgrpo_jax import checkpoint_integrity as integrity
 from exgrpo_jax.models import config as config_lib
 
 ITEMS = ("params", "opt", "host", "meta")
-MANIFEST = "exgrpo_manifest.json"
-
-
-class CheckpointError(Exception):
-  """A checkpoint cannot be written, or no intact one can be read."""
+MANIFEST = integrity.MANIFEST
+CheckpointError = integrity.CheckpointError
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -57,81 +54,6 @@ def checkpoint_dir(workdir: str) -> str:
 
 def damaged_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "checkpoints.damaged")
-
-
-def _file_digests(step_dir: str) -> dict[str, list[int]]:
-  """{relative path: [size, crc32]} of every file under `step_dir` but the manifest."""
-  digests = {}
-  for root, _, files in os.walk(step_dir):
-    for name in files:
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, step_dir)
-      if rel.startswith(MANIFEST):
-        continue
-      crc = 0
-      with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-          crc = zlib.crc32(chunk, crc)
-      digests[rel] = [os.path.getsize(path), crc]
-  return digests
-
-
-def write_manifest(step_dir: str) -> None:
-  digests = _file_digests(step_dir)
-  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(digests, f)
-  os.replace(tmp, os.path.join(step_dir, MANIFEST))
-
-
-def damage(step_dir: str) -> str | None:
-  """Why `step_dir` is not an intact checkpoint, or None (checked against its manifest;
-  a checkpoint written before manifests existed passes if all its items are there)."""
-  missing = [item for item in ITEMS if not os.path.isdir(os.path.join(step_dir, item))]
-  if missing:
-    return "empty step directory" if len(missing) == len(ITEMS) else \
-        f"missing item(s) {', '.join(missing)}"
-  manifest = os.path.join(step_dir, MANIFEST)
-  if not os.path.exists(manifest):
-    return None
-  try:
-    with open(manifest, encoding="utf-8") as f:
-      expected = json.load(f)
-  except (OSError, ValueError) as e:
-    return f"unreadable manifest ({e})"
-  actual = _file_digests(step_dir)
-  for rel, (size, crc) in expected.items():
-    if rel not in actual:
-      return f"file {rel} is missing"
-    if actual[rel][0] != size:
-      return f"file {rel} has {actual[rel][0]} bytes, expected {size}"
-    if actual[rel][1] != crc:
-      return f"file {rel} fails its checksum"
-  return None
-
-
-def _check_arrays(item: str, restored, abstract) -> None:
-  """Every restored array has the expected shape and (floating) finite values."""
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(restored),
-                          jax.tree.leaves(abstract)):
-    name = f"{item}{jax.tree_util.keystr(path)}"
-    if tuple(a.shape) != tuple(b.shape):
-      raise CheckpointError(f"{name} has shape {tuple(a.shape)}, expected {tuple(b.shape)}")
-    if jnp.issubdtype(a.dtype, jnp.floating) and not bool(jnp.isfinite(a).all()):
-      raise CheckpointError(f"{name} holds non-finite values")
-
-
-def all_finite(tree) -> bool:
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-  return bool(jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))) if leaves else True
-
-
-def root_cause(e: BaseException) -> str:
-  """The innermost cause of `e` (e.g. the OSError behind Orbax's wrapper), on one line."""
-  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
-    e = e.__cause__ or e.__context__
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 class CheckpointStore:
@@ -156,7 +78,7 @@ class CheckpointStore:
 
   def save(self, step: int, params, opt, host: dict, meta: dict) -> None:
     """Writes one checkpoint (blocking, so a SIGTERM handler can rely on it)."""
-    if not all_finite(params):
+    if not integrity.all_finite(params):
       raise CheckpointError(f"step {step}: the parameters are not finite; not checkpointed")
     host = {k: np.asarray(v) for k, v in host.items()}
     # Orbax cannot write zero-size arrays; their shape and dtype travel in meta.
@@ -171,10 +93,10 @@ class CheckpointStore:
           meta=ocp.args.JsonSave(meta)), force=True)
       self._manager.wait_until_finished()
       if jax.process_index() == 0:
-        write_manifest(self.step_dir(step))
+        integrity.write_manifest(self.step_dir(step))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(f"writing checkpoint {self.step_dir(step)} failed: "
-                            f"{root_cause(e)}") from e
+                            f"{integrity.root_cause(e)}") from e
     self._rotate()
 
   def _rotate(self) -> None:
@@ -186,7 +108,7 @@ class CheckpointStore:
 
     Raises CheckpointError naming what is wrong if the step is damaged.
     """
-    reason = damage(self.step_dir(step))
+    reason = integrity.damage(self.step_dir(step), ITEMS)
     if reason:
       raise CheckpointError(reason)
     try:
@@ -196,9 +118,9 @@ class CheckpointStore:
           host=ocp.args.StandardRestore(),
           meta=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f"Orbax cannot read it ({root_cause(e)})") from e
-    _check_arrays("params", restored.params, abstract_params)
-    _check_arrays("opt", restored.opt, abstract_opt)
+      raise CheckpointError(f"Orbax cannot read it ({integrity.root_cause(e)})") from e
+    integrity.check_arrays("params", restored.params, abstract_params)
+    integrity.check_arrays("opt", restored.opt, abstract_opt)
     host = {k: np.asarray(v) for k, v in restored.host.items() if k != "empty"}
     for k, (shape, dtype) in restored.meta.pop("empty_host_arrays", {}).items():
       host[k] = np.zeros(shape, np.dtype(dtype))
@@ -277,7 +199,7 @@ def is_training_checkpoint(path: str) -> bool:
 
 
 def _load_params(step_dir: str):
-  reason = damage(step_dir)
+  reason = integrity.damage(step_dir, ITEMS)
   if reason:
     raise CheckpointError(reason)
   with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
@@ -291,8 +213,8 @@ def _load_params(step_dir: str):
                           checkpointer.metadata(params_dir).item_metadata)
     params = jax.tree.map(np.asarray, checkpointer.restore(params_dir, target))
   except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f"Orbax cannot read it ({root_cause(e)})") from e
-  _check_arrays("params", params, target)
+    raise CheckpointError(f"Orbax cannot read it ({integrity.root_cause(e)})") from e
+  integrity.check_arrays("params", params, target)
   return model_config_from_json(meta["model_config"]), params, meta["tokenizer_source"]
 
 

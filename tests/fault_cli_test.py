@@ -23,26 +23,11 @@ from exgrpo_jax import models
 from exgrpo_jax.models import export
 from exgrpo_jax.models import safetensors_io
 from exgrpo_jax.training import run_guard
+from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
 TINY = models.ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=(2,),
                           max_position_embeddings=256)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-  try:
-    tokenizer = models.load_tokenizer()
-  except (FileNotFoundError, ImportError) as e:
-    pytest.skip(f"embedded tokenizer unavailable: {e}")
-  cfg = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                           eos_token_id=(tokenizer.eos_token_id,),
-                           pad_token_id=tokenizer.pad_token_id, max_position_embeddings=512)
-  path = str(tmp_path_factory.mktemp("tiny") / "model")
-  export.save_pretrained(cfg, _random_params(cfg), path)
-  tokenizer.save_pretrained(path)
-  return path
 
 
 def _random_params(cfg):
@@ -164,8 +149,8 @@ def test_eval_with_every_prompt_dropped_is_an_error(tiny_dir, tmp_path, capsys):
 
 def test_generate_beyond_the_context_is_one_line(tiny_dir, capsys):
   assert generate.main(["--model", tiny_dir, "--prompt", "Hi", "--max-new-tokens",
-                        "600"]) == 1
-  _one_error_line(capsys, "exceeds the model's 512 positions")
+                        "9000"]) == 1
+  _one_error_line(capsys, "exceeds the model's 8192 positions")
 
 
 def test_missing_model_path_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
