@@ -5,6 +5,7 @@ arrays (shape, finite values). Used by `exgrpo_jax.checkpointing`.
 
 import json
 import os
+import re
 import zlib
 
 import jax
@@ -85,8 +86,13 @@ def all_finite(tree) -> bool:
 
 
 def root_cause(e: BaseException) -> str:
-  """The innermost cause of `e` (e.g. the OSError behind Orbax's wrapper), on one line."""
+  """The innermost cause of `e` on one line; an OS error that TensorStore reports inside
+  its message (`[os_error_code='28']`) as its plain text, e.g. "No space left on device"."""
   while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
     e = e.__cause__ or e.__context__
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0] if text else ''}"
+  text = str(e).strip()
+  code = re.search(r"os_error_code='(\d+)'", text)
+  if code:
+    return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+  lines = text.splitlines()
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -16,6 +16,7 @@ Exit statuses (README, "Exit statuses"):
 """
 
 import argparse
+import logging
 import os
 import sys
 from typing import Callable
@@ -40,8 +41,27 @@ def error(message: str, prefix: str = "error") -> int:
   return EXIT_ERROR
 
 
+class _DropLibraryErrors(logging.Filter):
+  """Drops Orbax's own error logs (tracebacks from its writer threads): the exception
+  they accompany reaches us and is reported on one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _one_line_hook(kind, value, tb) -> None:
+  """For errors that C callbacks print through sys.excepthook (TensorStore's writes that
+  finish after a failed checkpoint closed Orbax's event loop): one line at most."""
+  del kind, tb
+  if not (isinstance(value, RuntimeError) and "Event loop is closed" in str(value)):
+    print(f"error: {one_line(value)}", file=sys.stderr, flush=True)
+
+
 def guarded(run: Callable[[], int | None], debug: bool = False, prefix: str = "error") -> int:
   """Runs `run`; any exception becomes one `{prefix}: ...` line and exit status 1."""
+  if not debug:
+    logging.getLogger("absl").addFilter(_DropLibraryErrors())
+    sys.excepthook = _one_line_hook
   try:
     return run() or 0
   except KeyboardInterrupt:
