@@ -49,6 +49,9 @@ class _DropLibraryErrors(logging.Filter):
     return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
+_DROP_LIBRARY_ERRORS = _DropLibraryErrors()
+
+
 def _one_line_hook(kind, value, tb) -> None:
   """For errors that C callbacks print through sys.excepthook (TensorStore's writes that
   finish after a failed checkpoint closed Orbax's event loop): one line at most."""
@@ -59,8 +62,8 @@ def _one_line_hook(kind, value, tb) -> None:
 
 def guarded(run: Callable[[], int | None], debug: bool = False, prefix: str = "error") -> int:
   """Runs `run`; any exception becomes one `{prefix}: ...` line and exit status 1."""
-  if not debug:
-    logging.getLogger("absl").addFilter(_DropLibraryErrors())
+  if not debug:  # for the whole process: late library output comes after `run` returns
+    logging.getLogger("absl").addFilter(_DROP_LIBRARY_ERRORS)
     sys.excepthook = _one_line_hook
   try:
     return run() or 0
