@@ -8,8 +8,10 @@ copied along.
 """
 
 import argparse
+import os
 import sys
 
+from exgrpo_jax import cli
 from exgrpo_jax import models
 
 
@@ -30,14 +32,16 @@ def main(argv=None) -> int:
   parser.add_argument("--dst", required=True, help="output HF directory")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                       help="tensor dtype to write (default: the source's)")
+  cli.add_debug_flag(parser)
   args = parser.parse_args(argv)
-  try:
-    cfg, params, tokenizer_src = _load(args.src, args.dtype)
-    models.save_pretrained(cfg, params, args.dst, dtype=args.dtype,
-                           tokenizer_src=tokenizer_src)
-  except (FileNotFoundError, ValueError, ImportError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  return cli.guarded(lambda: _convert(args), debug=args.debug)
+
+
+def _convert(args) -> int:
+  cfg, params, tokenizer_src = _load(args.src, args.dtype)
+  # Written to a temporary sibling and renamed into place (models/export.py).
+  models.save_pretrained(cfg, params, args.dst, dtype=args.dtype, tokenizer_src=tokenizer_src,
+                         info={"source": os.path.abspath(args.src)})
   print(f"wrote {args.dst} ({cfg.model_type}, {cfg.num_params() / 1e6:.1f}M parameters)")
   return 0
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from exgrpo_jax import checkpointing
+from exgrpo_jax import cli
 from exgrpo_jax import compile_cache
 from exgrpo_jax import data
 from exgrpo_jax import models
@@ -55,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
   add("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=8192)
   add("--max-prompt-tokens", "--max_prompt_tokens", dest="max_prompt_tokens", type=int,
       default=0, help="drop (and count) longer prompts (0 = no limit)")
-  add("--n", type=int, default=1, help="samples per row")
-  add("--batch-prompts", "--batch_prompts", dest="batch_prompts", type=int, default=64)
+  add("--n", type=cli.positive_int, default=1, help="samples per row")
+  add("--batch-prompts", "--batch_prompts", dest="batch_prompts", type=cli.positive_int,
+      default=64)
   add("--seed", type=int, default=0)
   add("--dtype", default="float32", choices=("float32", "bfloat16"))
   add("--engine", default="jax", choices=sampling.ENGINES.names())
@@ -68,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
   add("--save-responses", "--save_responses", dest="save_responses", action="store_true",
       help="include every response in the JSON")
   add("--out", default="", help="write the results JSON here")
+  cli.add_debug_flag(p)
   return p
 
 
@@ -102,35 +105,36 @@ def log(message: str) -> None:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   compile_cache.enable(args.compile_cache)
-  try:
-    questions = []
-    for path in args.data:
-      if path.split(":")[0] == "arithmetic":  # the generated task's held-out split
-        settings = data.arithmetic.ArithmeticSettings.parse(path.partition(":")[2])
-        loaded = data.LoadResult(path, [
-            dataclasses.replace(q, reward_name=args.reward or q.reward_name)
-            for q in data.arithmetic.make_questions(settings, "eval")], [])
-      else:
-        # Relative to the working directory, else to the data directory (prepare_data's).
-        loaded = data.load_questions(path, reward_name=args.reward,
-                                     data_dir=os.getcwd() if os.path.exists(path) else "")
-      for message in loaded.skipped:
-        log(f"[eval] skipped {message}")
-      questions += select(loaded.questions, args.limit, args.sources)
-    if not questions:
-      raise ValueError(f"no questions selected from {args.data} (sources={args.sources!r})")
-    start = time.perf_counter()
-    cfg, params, tokenizer = load_model(args.model, args.dtype)
-  except (FileNotFoundError, ValueError, ImportError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  return cli.guarded(lambda: _evaluate(args), debug=args.debug)
+
+
+def _evaluate(args) -> int:
+  if args.out:
+    cli.check_writable(args.out)  # before the long part, not after it
+  questions = []
+  for path in args.data:
+    if path.split(":")[0] == "arithmetic":  # the generated task's held-out split
+      settings = data.arithmetic.ArithmeticSettings.parse(path.partition(":")[2])
+      loaded = data.LoadResult(path, [
+          dataclasses.replace(q, reward_name=args.reward or q.reward_name)
+          for q in data.arithmetic.make_questions(settings, "eval")], [])
+    else:
+      # Relative to the working directory, else to the data directory (prepare_data's).
+      loaded = data.load_questions(path, reward_name=args.reward,
+                                   data_dir=os.getcwd() if os.path.exists(path) else "")
+    for message in loaded.skipped:
+      log(f"[eval] skipped {message}")
+    questions += select(loaded.questions, args.limit, args.sources)
+  if not questions:
+    raise ValueError(f"no questions selected from {args.data} (sources={args.sources!r})")
+  start = time.perf_counter()
+  cfg, params, tokenizer = load_model(args.model, args.dtype)
   log(f"[eval] model {args.model or models.default_model_path()} loaded in "
       f"{time.perf_counter() - start:.1f} s; {len(questions)} rows")
   room = cfg.max_position_embeddings - args.max_new_tokens
   if room <= 0:
-    print(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
-          f"model's {cfg.max_position_embeddings} positions", file=sys.stderr)
-    return 1
+    return cli.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+                     f"the model's {cfg.max_position_embeddings} positions")
   engine = sampling.make_engine(args.engine, cfg, tokenizer)
   sampling_config = sampling.SamplingConfig(temperature=args.temperature, top_p=args.top_p,
                                             max_new_tokens=args.max_new_tokens)
@@ -142,10 +146,15 @@ def main(argv=None) -> int:
   with rewards.RewardPool(args.reward_workers, args.reward_timeout) as pool:
     results = runner.evaluate(engine, params, tokenizer, questions, sampling_config, pool,
                               jax.random.key(args.seed), options, log)
+  if not results["overall"]["samples"]:
+    return cli.error(f"all {results['dropped_prompts']} prompts are longer than the "
+                     f"{options.max_prompt_tokens} prompt tokens allowed (--max-prompt-tokens, "
+                     f"and the model's {cfg.max_position_embeddings} positions minus "
+                     "--max-new-tokens): nothing was evaluated")
   results["config"] = dict(vars(args), model=args.model or models.default_model_path())
   print(runner.format_table(results))
   if args.out:
-    with open(args.out, "w") as f:
+    with open(args.out, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=2)
     log(f"[eval] wrote {args.out}")
   return 0

@@ -16,6 +16,7 @@ import time
 
 import jax
 
+from exgrpo_jax import cli
 from exgrpo_jax import compile_cache
 from exgrpo_jax import eval as eval_cli
 from exgrpo_jax import models
@@ -29,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
   add("--model", default="", help="HF dir, .gguf, or training checkpoint (default: SmolLM2)")
   add("--prompt", action="append", required=True, help="a prompt (repeatable)")
   add("--chat", action="store_true", help="apply the tokenizer's chat template")
-  add("--n", type=int, default=1, help="samples per prompt")
+  add("--n", type=cli.positive_int, default=1, help="samples per prompt")
   add("--temperature", type=float, default=1.0, help="0 = greedy")
   add("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
   add("--top-k", "--top_k", dest="top_k", type=int, default=0, help="0 = off")
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
   add("--compile-cache", "--compile_cache", dest="compile_cache",
       action=argparse.BooleanOptionalAction, default=True,
       help="reuse compiled programs across calls (exgrpo_jax.compile_cache)")
+  cli.add_debug_flag(p)
   return p
 
 
@@ -56,19 +58,23 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   compile_cache.enable(args.compile_cache)
+  return cli.guarded(lambda: _generate(args), debug=args.debug)
+
+
+def _generate(args) -> int:
   start = time.perf_counter()
-  try:
-    config = sampling.SamplingConfig(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
-    cfg, params, tokenizer = eval_cli.load_model(args.model, args.dtype)
-    engine = sampling.make_engine(args.engine, cfg, tokenizer)
-  except (FileNotFoundError, ValueError, ImportError, RuntimeError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  config = sampling.SamplingConfig(
+      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+      max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
+  cfg, params, tokenizer = eval_cli.load_model(args.model, args.dtype)
+  engine = sampling.make_engine(args.engine, cfg, tokenizer)
   eval_cli.log(f"[generate] model {args.model or models.default_model_path()} loaded in "
                f"{time.perf_counter() - start:.1f} s")
   prompt_ids = [encode(tokenizer, p, args.chat) for p in args.prompt]
+  longest = max(len(ids) for ids in prompt_ids)
+  if longest + args.max_new_tokens > cfg.max_position_embeddings:
+    return cli.error(f"a {longest}-token prompt plus --max-new-tokens {args.max_new_tokens} "
+                     f"exceeds the model's {cfg.max_position_embeddings} positions")
   start = time.perf_counter()
   out = engine.generate(prompt_ids, args.n, params, jax.random.key(args.seed), config)
   elapsed = time.perf_counter() - start

@@ -5,7 +5,11 @@ r"""Trains a policy with ExGRPO.
 
 `--config=FILE.py:ARG` picks a variant (configs/common.py lists them). The config is
 locked: an unknown key fails instead of being silently added. Re-running with the same
-workdir resumes from its latest checkpoint.
+workdir resumes from its newest intact checkpoint.
+
+Exit status (exgrpo_jax/cli.py): 0 done, 1 an error (one line; --debug shows the
+traceback), 75 preempted by SIGTERM or Ctrl-C after checkpointing the last complete
+step (rerun to resume), 130 interrupted during start-up or by a second Ctrl-C.
 
 Multi-host: run the same command on every host. TPU pods and SLURM are detected; else
 pass --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or set
@@ -19,6 +23,8 @@ from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from exgrpo_jax import cli
 
 
 def _make_config_files_importable(argv):
@@ -37,6 +43,7 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "Multi-process runs: HOST:PORT of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process.")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show an error's traceback instead of one line.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -47,19 +54,19 @@ def main(argv):
   # unless the user asks for more with --verbosity.
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  # Before anything touches a JAX device.
-  from exgrpo_jax import distributed  # pylint: disable=g-import-not-at-top
-  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  from exgrpo_jax import data  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax import compile_cache  # pylint: disable=g-import-not-at-top
-  compile_cache.enable(_CONFIG.value.train.compile_cache)
-  from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.training import trainer  # pylint: disable=g-import-not-at-top
-  try:
+
+  def train() -> int:
+    # Before anything touches a JAX device.
+    from exgrpo_jax import distributed  # pylint: disable=g-import-not-at-top
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    from exgrpo_jax import compile_cache  # pylint: disable=g-import-not-at-top
+    compile_cache.enable(_CONFIG.value.train.compile_cache)
+    from exgrpo_jax.training import trainer  # pylint: disable=g-import-not-at-top
     run = trainer.Trainer(_CONFIG.value, _WORKDIR.value)  # validates the config first
-  except (config_check.ConfigError, data.DataError) as e:
-    sys.exit(f"exgrpo_jax.train: {e}")
-  run.run()
+    run.run()
+    return cli.EXIT_PREEMPTED if run.preempted else 0
+
+  sys.exit(cli.guarded(train, debug=_DEBUG.value, prefix="exgrpo_jax.train"))
 
 
 if __name__ == "__main__":

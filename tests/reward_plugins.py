@@ -40,3 +40,24 @@ def even_length(solution: str, ground_truth: str) -> float:
   reward for random-weight models (their groups then fill the replay buffer)."""
   del ground_truth
   return float(len(solution) % 2 == 0)
+
+
+@graders.REWARDS.register("test_slow_even_length")
+def slow_even_length(solution: str, ground_truth: str) -> float:
+  """`test_even_length` after 0.1 s, appending a line to $EXGRPO_TEST_SCORING_LOG (if
+  set) first: lets a test signal a trainer while it is scoring."""
+  log = os.environ.get("EXGRPO_TEST_SCORING_LOG")
+  if log:
+    with open(log, "a", encoding="utf-8") as f:
+      f.write("scoring\n")
+  time.sleep(0.1)
+  return even_length(solution, ground_truth)
+
+
+# A slow start for the pool's "killed while starting" test: the first worker to import
+# this module (the marker file does not exist yet) sleeps before it is ready.
+_SLOW_START_MARKER = os.environ.get("EXGRPO_TEST_SLOW_START_MARKER")
+if _SLOW_START_MARKER and not os.path.exists(_SLOW_START_MARKER):
+  with open(_SLOW_START_MARKER, "w", encoding="utf-8") as _f:
+    _f.write(str(os.getpid()))
+  time.sleep(30)

@@ -3,10 +3,16 @@
 `save_pretrained(cfg, params, dst)` writes config.json, generation_config.json and
 safetensors (sharded with an index above `max_shard_bytes`), inverting the key table;
 `tokenizer_src` (an HF directory or .gguf) adds the tokenizer files.
+
+Atomic: everything is written to a temporary sibling directory, `EXPORT_INFO` (what was
+exported, e.g. the training step) last, and the directory is then renamed into place,
+so `dst` is either the previous export or the complete new one. `is_complete(dst, info)`
+tells a rerun whether its export is already there.
 """
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -33,11 +39,76 @@ def hf_state_dict(cfg: config_lib.ModelConfig, params, dtype: str | None = None)
                                                      else array, layout))
 
 
+EXPORT_INFO = "exgrpo_export.json"
+
+
+def is_complete(dst: str, info: dict) -> bool:
+  """Whether `dst` holds a finished export whose EXPORT_INFO includes `info`."""
+  try:
+    with open(os.path.join(dst, EXPORT_INFO), encoding="utf-8") as f:
+      written = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return all(written.get(k) == v for k, v in info.items())
+
+
+def _replaceable(dst: str) -> bool:
+  """`dst` is absent, empty, or a model directory (a previous export)."""
+  if not os.path.exists(dst):
+    return True
+  return os.path.isdir(dst) and (not os.listdir(dst) or any(
+      os.path.exists(os.path.join(dst, name)) for name in (EXPORT_INFO, "config.json")))
+
+
 def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | None = None,
-                    tokenizer_src: str | None = None, max_shard_bytes: int = 5 * 2**30):
-  """Writes an HF model directory; returns its path."""
-  os.makedirs(dst, exist_ok=True)
-  dtype = dtype or cfg.param_dtype
+                    tokenizer_src: str | None = None, max_shard_bytes: int = 5 * 2**30,
+                    info: dict | None = None):
+  """Writes an HF model directory atomically; returns its path."""
+  dst = os.path.abspath(dst)
+  if not _replaceable(dst):
+    raise FileExistsError(f"{dst} exists and is not a model directory; not overwriting it")
+  _remove_stale_temporaries(dst)
+  tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-{os.getpid()}")
+  os.makedirs(tmp)
+  try:
+    _write(cfg, params, tmp, dtype or cfg.param_dtype, tokenizer_src, max_shard_bytes)
+    with open(os.path.join(tmp, EXPORT_INFO), "w", encoding="utf-8") as f:
+      json.dump(dict(info or {}, dtype=dtype or cfg.param_dtype), f)
+    old = None
+    if os.path.exists(dst):
+      old = f"{tmp}.old"
+      os.rename(dst, old)
+    os.rename(tmp, dst)
+    if old:
+      shutil.rmtree(old)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return dst
+
+
+def _remove_stale_temporaries(dst: str) -> None:
+  """Temporary directories of exports killed midway (their process is gone)."""
+  parent, prefix = os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-"
+  for name in os.listdir(parent) if os.path.isdir(parent) else ():
+    pid = name[len(prefix):].split(".")[0]
+    if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+  if pid == os.getpid():
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True
+
+
+def _write(cfg, params, dst: str, dtype: str, tokenizer_src: str | None,
+           max_shard_bytes: int) -> None:
   shards, current, size = [], {}, 0
   for name, array in hf_state_dict(cfg, params, dtype):
     if current and size + array.nbytes > max_shard_bytes:
@@ -66,4 +137,3 @@ def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | 
     json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
   if tokenizer_src:
     loading.load_tokenizer(tokenizer_src).save_pretrained(dst)
-  return dst

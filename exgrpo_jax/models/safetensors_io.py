@@ -31,6 +31,10 @@ class SafetensorsFile:
       if len(header_len_bytes) != 8:
         raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
       (header_len,) = struct.unpack("<Q", header_len_bytes)
+      size = os.path.getsize(path)
+      if header_len > size - 8:
+        raise ValueError(f"{path}: header length {header_len} exceeds the file's {size} "
+                         "bytes (truncated, or not a safetensors file)")
       try:
         header = json.loads(f.read(header_len))
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -38,6 +42,15 @@ class SafetensorsFile:
     header.pop("__metadata__", None)
     self._header = header
     self._data_start = 8 + header_len
+    for name, info in header.items():
+      start, end = info["data_offsets"]
+      if self._data_start + end > size:
+        raise ValueError(f"{path}: tensor {name} ends at byte {self._data_start + end} of a "
+                         f"{size}-byte file (truncated)")
+      if info["dtype"] in _DTYPES and (end - start != int(np.prod(info["shape"]))
+                                       * np.dtype(_DTYPES[info["dtype"]]).itemsize):
+        raise ValueError(f"{path}: tensor {name} has {end - start} bytes for shape "
+                         f"{info['shape']} {info['dtype']} (corrupt header)")
     self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
 
   def names(self) -> list[str]:

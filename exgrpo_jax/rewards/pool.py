@@ -14,8 +14,12 @@ worker holds and since when. Two deadlines guard every item:
   item is a TIMEOUT. A worker that dies mid-item gives CRASH and is replaced.
 
 Either way the item scores 0 and is counted in the returned stats. Workers start with
-`spawn` (never `fork`: the parent runs JAX's threads), ignore SIGINT (the parent owns
-shutdown) and cap their address space at `max_memory_mb` above what they started with.
+`spawn` (never `fork`: the parent runs JAX's threads), ignore SIGINT and SIGTERM (the
+parent owns shutdown: a SIGTERM to the process group must not turn the step being scored
+into crashes) and cap their address space at `max_memory_mb` above what they started
+with. A worker that dies while starting (e.g. killed before it set those handlers) is
+replaced and counted in `restarts`; only a pool whose workers keep dying at start-up
+(more than `2 * num_workers + 1` times) or report an import error gives up.
 """
 
 import collections
@@ -88,6 +92,7 @@ def _worker_main(conn, timeout_s: float, plugin_modules: Sequence[str],
                  max_memory_mb: int) -> None:
   """A worker's loop: receive (index, item), answer (index, reward, status)."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   try:
     graders.load_plugins(plugin_modules)
     if max_memory_mb and os.path.exists("/proc/self/statm"):  # Linux; skipped elsewhere
@@ -157,7 +162,8 @@ class RewardPool:
     if num_workers == 0:
       graders.load_plugins(plugin_modules)
     self._workers = [_Worker(self._ctx, self._args) for _ in range(num_workers)]
-    self._restarts = 0
+    self.restarts = 0
+    self._start_deaths = 0
     try:
       while not all(w.ready for w in self._workers):
         starting = [w for w in self._workers if not w.ready]
@@ -175,7 +181,7 @@ class RewardPool:
   def score_with_status(self, items: Sequence[RewardItem]):
     """(rewards float32 [N], status [N] (one of graders.STATUSES), stats)."""
     start = time.perf_counter()
-    restarts_before = self._restarts
+    restarts_before = self.restarts
     rewards_N = np.zeros(len(items), np.float32)
     status_N = np.full(len(items), graders.OK, dtype=object)
     if self.num_workers == 0:
@@ -190,7 +196,7 @@ class RewardPool:
                  timeouts=counts[graders.TIMEOUT], exceptions=counts[graders.EXCEPTION],
                  crashes=counts[graders.CRASH], format_failures=counts[graders.FORMAT],
                  no_answer=counts[graders.NO_ANSWER],
-                 worker_restarts=self._restarts - restarts_before,
+                 worker_restarts=self.restarts - restarts_before,
                  seconds=time.perf_counter() - start)
     return rewards_N, status_N, stats
 
@@ -230,7 +236,12 @@ class RewardPool:
         message = conn.recv()
       except (EOFError, OSError):
         if not w.ready:
-          raise RuntimeError("a reward worker died while starting (see its stderr)") from None
+          self._start_deaths += 1
+          if self._start_deaths > 2 * self.num_workers + 1:
+            raise RuntimeError(f"reward workers keep dying while starting "
+                               f"({self._start_deaths} times; see their stderr)") from None
+          self._replace(j)
+          continue
         status_N[w.task[0]] = graders.CRASH
         self._replace(j)
         continue
@@ -251,7 +262,7 @@ class RewardPool:
   def _replace(self, j: int) -> None:
     self._workers[j].kill()
     self._workers[j] = _Worker(self._ctx, self._args)
-    self._restarts += 1
+    self.restarts += 1
 
   def close(self) -> None:
     """Stops every worker (politely, then by force)."""

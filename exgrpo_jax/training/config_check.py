@@ -30,7 +30,8 @@ from exgrpo_jax.training import run_log
 
 # What a checkpoint's buffer, params and question stream were built for (prefixes).
 RESUME_FIXED = ("rollout.k", "model.path", "model.random_init", "model.arch.",
-                "data.train_path", "data.limit", "data.max_prompt_tokens")
+                "data.source", "data.arithmetic.", "data.train_path", "data.limit",
+                "data.max_prompt_tokens")
 
 # The model config also accepts float16; training is supported in these two.
 DTYPES = ("float32", "bfloat16")

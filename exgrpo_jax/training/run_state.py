@@ -45,7 +45,7 @@ class RunState:
   """Model, optimizer state, replay buffer, question stream and counters.
 
   `params` and `opt_state` are abstract (sharded ShapeDtypeStructs) until
-  `init_weights()` or `restore(step)`; `create_or_restore` calls one of them.
+  `init_weights()` or `load(...)`; `create_or_restore` calls one of them.
   """
 
   def __init__(self, config, workdir: str):
@@ -115,13 +115,15 @@ class RunState:
   @classmethod
   def create_or_restore(cls, config, workdir: str) -> "RunState":
     state = cls(config, workdir)
-    latest = state.store.latest_step()
-    if latest is None:
+    # Damaged newer checkpoints are reported and moved aside (checkpointing.py).
+    restored = state.store.restore_newest_intact(
+        sharding.abstract(state.params, state.param_shardings),
+        sharding.abstract(state.opt_state, state.opt_shardings))
+    if restored is None:
       state.init_weights()
     else:
-      state.restore(latest)
-      print(f"[exgrpo_jax] resumed from {checkpointing.checkpoint_dir(workdir)}/{latest}",
-            file=sys.stderr)
+      state.load(*restored[1])
+      print(f"[exgrpo_jax] resumed from {state.store.step_dir(restored[0])}", file=sys.stderr)
     return state
 
   def init_weights(self) -> None:
@@ -159,18 +161,13 @@ class RunState:
             f"at step {self.step}", file=sys.stderr)
     distributed.check_same_on_all_processes(hex_digest, f"host state at step {self.step}")
 
-  def restore(self, step: int) -> None:
-    """Loads checkpoint `step`; params and optimizer state are read into their shards.
+  def load(self, params, opt, host: dict, meta: dict) -> None:
+    """Takes over a restored checkpoint (`CheckpointStore.restore`'s four parts).
 
     The run's config applies from here on (the buffer's sampling and caps included);
-    changes the checkpoint cannot follow raise config_check.ConfigError, before any
-    array is read.
+    changes the checkpoint cannot follow raise config_check.ConfigError.
     """
-    meta = self.store.restore_meta(step)
     config_check.check_resume(meta["config"], self.config)
-    params, opt, host, meta = self.store.restore(
-        step, sharding.abstract(self.params, self.param_shardings),
-        sharding.abstract(self.opt_state, self.opt_shardings))
     self.params, self.opt_state = params, opt
     self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host, self._buffer_config())
     self.stream.load_state_dict(meta["stream"])

@@ -11,12 +11,12 @@ samples, K-1 for a replayed question; pi_old from the rollout or recomputed, see
 advantages), remember (7: retire K/K, bucket and store 1..K-1), learn (8:
 `optim.mini_batches` jitted AdamW steps) and update the phase (9: the delayed start).
 Metrics go to JSONL/TensorBoard, checkpoints are written every `train.checkpoint_every`
-steps and on SIGTERM, and the run evaluates on `eval.path` every `eval.every` steps.
+steps and on SIGTERM / Ctrl-C, and the run evaluates on `eval.source` every `eval.every`
+steps. The workdir is locked for the run; a non-finite loss stops it (run_guard.py).
 """
 
 import contextlib
 import os
-import signal
 import time
 
 import jax
@@ -26,6 +26,8 @@ from exgrpo_jax import advantages
 from exgrpo_jax import distributed
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax import workdir_lock
+from exgrpo_jax.models import export
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import actor as actor_lib
@@ -33,6 +35,7 @@ from exgrpo_jax.training import config_check
 from exgrpo_jax.training import grading
 from exgrpo_jax.training import groups as groups_lib
 from exgrpo_jax.training import phase
+from exgrpo_jax.training import run_guard
 from exgrpo_jax.training import run_log
 from exgrpo_jax.training import run_state
 
@@ -51,8 +54,21 @@ class Trainer:
     config_check.check(config)
     self.config = config
     self.workdir = workdir
-    self.state = run_state.RunState.create_or_restore(config, workdir)
+    # Before anything is read or written: a second trainer here is refused.
+    self._lock = workdir_lock.WorkdirLock.acquire(workdir, primary=jax.process_index() == 0)
+    try:
+      self.state = run_state.RunState.create_or_restore(config, workdir)
+    except BaseException:
+      self._lock.release()
+      raise
     st = self.state
+    try:
+      run_guard.check_context([len(p.ids) for p in st.prompts], config.rollout.max_new_tokens,
+                              st.model_cfg)
+    except ValueError:
+      st.close()
+      self._lock.release()
+      raise
     # max_rows bounds the JAX sampler's KV cache (BUILD.md, "Memory plan").
     options = ({"max_rows": config.rollout.max_rows or None}
                if config.rollout.engine == "jax" else
@@ -61,9 +77,11 @@ class Trainer:
                                                  st.tokenizer, **options)
     self.grader = grading.Grader(config)
     self.actor = actor_lib.Actor(config, st.model_cfg, st.pad_id)
+    run_guard.truncate_metrics(workdir, st.step)  # one row per step after a resume
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step,
                               loggers=config.train.loggers, config=config.to_dict())
     self._stop_requested = False
+    self.preempted = False  # stopped by SIGTERM / Ctrl-C before train.steps
 
   # --- one training step --------------------------------------------------------------------
 
@@ -217,12 +235,9 @@ class Trainer:
 
   # --- the loop -----------------------------------------------------------------------------
 
-  def _request_stop(self, signum, frame):  # pylint: disable=unused-argument
-    self._stop_requested = True
-
-  def _stop_on_all_processes(self) -> bool:
+  def _stop_on_all_processes(self, stop: run_guard.StopSignals) -> bool:
     # A SIGTERM may reach one host only; all must stop (and checkpoint) at the same step.
-    self._stop_requested = distributed.any_process(self._stop_requested)
+    self._stop_requested = distributed.any_process(stop.requested is not None)
     return self._stop_requested
 
   def _export(self) -> None:
@@ -234,7 +249,8 @@ class Trainer:
             f"{self.workdir} --dst {dst}`", flush=True)
       return
     t = time.time()
-    models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source)
+    models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source,
+                           info={"step": st.step})
     print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
 
   def _evaluate(self) -> dict:
@@ -246,31 +262,35 @@ class Trainer:
   def run(self) -> dict:
     """Trains until `train.steps`; checkpoints, evaluates and logs along the way."""
     cfg, st = self.config, self.state
-    previous = signal.signal(signal.SIGTERM, self._request_stop)
     metrics = {}
     try:
-      if cfg.eval.before_train and st.step == 0:
-        start = self._evaluate()
-        self.log.write(0, start)
-        self.log.progress(0, start)
-      while st.step < cfg.train.steps and not self._stop_on_all_processes():
-        metrics = self.train_step()
-        if cfg.eval.every and (st.step % cfg.eval.every == 0 or st.step == cfg.train.steps):
-          metrics.update(self._evaluate())
-        self.log.write(st.step, metrics)
-        if st.step % cfg.train.log_every == 0:
-          self.log.progress(st.step, metrics)
-        if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
-          st.save()
-        if st.step == cfg.train.steps and cfg.train.export_dir:
-          self._export()
-      if self._stop_requested:
-        print(f"SIGTERM: checkpoint at step {st.step}; exiting", flush=True)
-        if st.store.latest_step() != st.step:
-          st.save()
+      with run_guard.StopSignals() as stop:
+        if cfg.eval.before_train and st.step == 0:
+          start = self._evaluate()
+          self.log.write(0, start)
+          self.log.progress(0, start)
+        while st.step < cfg.train.steps and not self._stop_on_all_processes(stop):
+          metrics = self.train_step()
+          if cfg.eval.every and (st.step % cfg.eval.every == 0 or st.step == cfg.train.steps):
+            metrics.update(self._evaluate())
+          self.log.write(st.step, metrics)
+          run_guard.check_finite(st.step, metrics, st.store.latest_step())
+          if st.step % cfg.train.log_every == 0:
+            self.log.progress(st.step, metrics)
+          if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
+            st.save()
+        if self._stop_requested and st.step < cfg.train.steps:
+          print(f"{stop.requested or 'stop'}: checkpoint at step {st.step}; exiting",
+                flush=True)
+          if st.store.latest_step() != st.step:
+            st.save()
+          self.preempted = True
+        elif cfg.train.export_dir and not export.is_complete(
+            os.path.join(self.workdir, cfg.train.export_dir), {"step": st.step}):
+          self._export()  # also redoes an export that a killed run left unfinished
     finally:
-      signal.signal(signal.SIGTERM, previous)
       self.log.close()
       self.grader.close()
       st.close()
+      self._lock.release()
     return metrics
