@@ -257,7 +257,11 @@ class Trainer:
           st.save()
     finally:
       signal.signal(signal.SIGTERM, previous)
-      self.log.close()
-      self.grader.close()
-      st.close()
+      self.close()
     return metrics
+
+  def close(self) -> None:
+    """Closes the log, the reward workers and the checkpoint store."""
+    self.log.close()
+    self.grader.close()
+    self.state.close()
