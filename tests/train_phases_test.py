@@ -158,3 +158,18 @@ def test_remember_with_reward_std_buckets_then_compose(tmp_path):
     assert all(g.responses[-1].is_replay for g in replayed)
   finally:
     trainer.close()
+
+
+@pytest.mark.slow  # compiles the sampler for the evaluation batch
+def test_validation_metrics(tmp_path, shared_data_dir):
+  """`Grader.validate`: the run's periodic evaluation on `eval.path` (val/* metrics)."""
+  trainer = _trainer(tmp_path, eval__path=f"{shared_data_dir}/gsm8k_test.parquet",
+                     eval__limit=2, eval__every=1)
+  try:
+    st = trainer.state
+    metrics = trainer.grader.validate(trainer.engine, st.params, st.tokenizer)
+    assert set(metrics) == {"val/test_score/gsm8k", "val/avg_score",
+                            "val/response_length"}
+    assert 0 <= metrics["val/avg_score"] <= 1 and metrics["val/response_length"] > 0
+  finally:
+    trainer.close()
