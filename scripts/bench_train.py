@@ -65,8 +65,7 @@ def main(argv):
         if step > _WARMUP.value:
           rows[variant].append(metrics)
     for trainer in trainers.values():
-      trainer.log.close()
-      trainer.state.close()
+      trainer.close()
 
   result = {"config": _CONFIG.value.model.path or "SmolLM2-135M-Instruct (embedded)",
             "train_path": _CONFIG.value.data.train_path,

@@ -4,7 +4,9 @@ Real processes of `python -m exgrpo_jax.train` on configs/tiny.py with the real 
 sampler. The tiny random model never solves GSM8K, so the reward is the deterministic
 `test_even_length` plugin (tests/reward_plugins.py): groups are mixed and the replay
 buffer fills, which puts the buffer, the question stream and the optimizer all on the
-resume path. Run A trains 4 steps uninterrupted while run B (started alongside) is
+resume path. The delayed start (0.55) fires at the end of step 1 (accuracy 0.625), so
+the replay flag is on the resume path too: step 1 only retires, later steps store and
+replay. Run A trains 4 steps uninterrupted while run B (started alongside) is
 killed with SIGKILL as soon as its step-2 checkpoint is on disk (so mid step 3), then
 rerun with the same workdir.
 """
@@ -25,9 +27,10 @@ from exgrpo_jax.training import run_log
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 # Everything the step computes; timings and wall-clock fields are left out.
-COMPARED = ("batch/solved", "actor/pg_loss", "actor/loss", "actor/grad_norm",
-            "actor/entropy", "experience/batch_size", "experience/questions",
-            "experience/trajectories", "experience/retired", "response_length/mean")
+COMPARED = ("batch/solved", "batch/replay_started", "actor/pg_loss", "actor/loss",
+            "actor/grad_norm", "actor/pg_clipfrac", "actor/entropy", "experience/batch_size",
+            "experience/questions", "experience/trajectories", "experience/retired",
+            "response_length/mean")
 
 
 def _start(workdir: str) -> subprocess.Popen:
@@ -35,7 +38,7 @@ def _start(workdir: str) -> subprocess.Popen:
          f"--workdir={workdir}", f"--config.train.steps={STEPS}",
          "--config.train.checkpoint_every=1", f"--config.train.keep_checkpoints={STEPS}",
          "--config.reward.plugins=tests.reward_plugins",
-         "--config.reward.name=test_even_length"]
+         "--config.reward.name=test_even_length", "--config.algo.delayed_start=0.55"]
   return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
 
@@ -76,7 +79,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 
   ref_rows, resumed_rows = _last_row_per_step(reference), _last_row_per_step(killed)
   assert sorted(resumed_rows) == list(range(1, STEPS + 1))
-  # The replay path was live: the buffer held trajectories and some were replayed.
+  # The start fired after step 1 (nothing stored before it); then the replay path was
+  # live: the buffer held trajectories and some were replayed.
+  assert ref_rows[1]["experience/stored"] == 0 and ref_rows[STEPS]["batch/replay_started"]
   assert ref_rows[STEPS]["experience/trajectories"] > 0
   assert sum(r["experience/batch_size"] for r in ref_rows.values()) > 0
   for step in range(1, STEPS + 1):

@@ -69,11 +69,6 @@ def _trainer(tmp_path, engine=None, **overrides):
   return trainer
 
 
-def _close(trainer):
-  trainer.grader.close()
-  trainer.state.close()
-
-
 def _teacher_forced(trainer, params, prompt_ids, tokens_list):
   st = trainer.state
   p_len = padding.prompt_bucket(max(len(p) for p in prompt_ids))
@@ -98,7 +93,7 @@ def test_buffer_stores_temperature_one_behaviour_logps(tmp_path):
     for (_, t), want in zip(stored, expected):
       np.testing.assert_allclose(t.logps, want, atol=2 ** -11 + 1e-6)
   finally:
-    _close(trainer)
+    trainer.close()
 
 
 def test_bfloat16_fresh_ratio_is_one_at_step_start(tmp_path):
@@ -113,7 +108,7 @@ def test_bfloat16_fresh_ratio_is_one_at_step_start(tmp_path):
     np.testing.assert_allclose(metrics["actor/on_ratio_max"], 1.0, rtol=0, atol=1e-6)
     np.testing.assert_allclose(metrics["actor/ppo_kl"], 0.0, atol=1e-6)
   finally:
-    _close(trainer)
+    trainer.close()
 
 
 def test_remember_with_reward_std_buckets_then_compose(tmp_path):
@@ -162,4 +157,19 @@ def test_remember_with_reward_std_buckets_then_compose(tmp_path):
     assert all(len(g.responses) == 4 for g in groups)
     assert all(g.responses[-1].is_replay for g in replayed)
   finally:
-    _close(trainer)
+    trainer.close()
+
+
+@pytest.mark.slow  # compiles the sampler for the evaluation batch
+def test_validation_metrics(tmp_path, shared_data_dir):
+  """`Grader.validate`: the run's periodic evaluation on `eval.path` (val/* metrics)."""
+  trainer = _trainer(tmp_path, eval__path=f"{shared_data_dir}/gsm8k_test.parquet",
+                     eval__limit=2, eval__every=1)
+  try:
+    st = trainer.state
+    metrics = trainer.grader.validate(trainer.engine, st.params, st.tokenizer)
+    assert set(metrics) == {"val/test_score/gsm8k", "val/avg_score",
+                            "val/response_length"}
+    assert 0 <= metrics["val/avg_score"] <= 1 and metrics["val/response_length"] > 0
+  finally:
+    trainer.close()

@@ -109,19 +109,6 @@ def test_onpolicy_never_replays_stores_or_retires(tmp_path):
   assert not trainer.state.stream.state_dict()["retired"]
 
 
-def test_resume_continues_exactly(exgrpo_run, tmp_path):
-  reference_trainer, reference_rows = exgrpo_run
-  run(tmp_path, steps=2)
-  resumed_trainer, rows = run(tmp_path, steps=3)  # resumes from the step-2 checkpoint
-  assert [r["step"] for r in rows] == [1, 2, 3]
-  for key in ("batch/solved", "actor/pg_loss", "actor/off_pg_loss", "actor/grad_norm",
-              "actor/entropy", "experience/trajectories"):
-    np.testing.assert_allclose(rows[2][key], reference_rows[2][key], rtol=1e-5, atol=1e-7)
-  for a, b in zip(jax.tree.leaves(resumed_trainer.state.params),
-                  jax.tree.leaves(reference_trainer.state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
-
-
 COMPARED = ("batch/solved", "batch/replay_started", "actor/pg_loss", "actor/off_pg_loss",
             "actor/pg_clipfrac", "actor/grad_norm", "actor/entropy", "experience/stored",
             "experience/batch_size", "experience/trajectories", "experience/retired")
@@ -131,17 +118,22 @@ def test_resume_after_the_delayed_start_fired_mid_run(tmp_path):
   # The script's batch accuracy is 10/16 = 0.625 before any replay: the start fires
   # at the end of step 1, so step 1 only retires and clips, steps 2-4 do not clip and
   # collect, and steps 3-4 replay. A resumed run that lost the flag would differ.
-  _, reference = run(tmp_path / "reference", steps=4, algo__delayed_start=0.6)
+  reference_trainer, reference = run(tmp_path / "reference", steps=4,
+                                     algo__delayed_start=0.6)
   assert [r["batch/replay_started"] for r in reference] == [1, 1, 1, 1]
   assert reference[0]["experience/stored"] == 0
   assert reference[1]["experience/stored"] > 0
   assert reference[2]["experience/batch_size"] > 0
   run(tmp_path / "resumed", steps=1, algo__delayed_start=0.6)
-  _, rows = run(tmp_path / "resumed", steps=4, algo__delayed_start=0.6)
+  resumed_trainer, rows = run(tmp_path / "resumed", steps=4, algo__delayed_start=0.6)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
   for step in (2, 3, 4):
     for key in COMPARED:
       np.testing.assert_allclose(rows[step - 1][key], reference[step - 1][key], rtol=1e-5,
                                  atol=1e-7, err_msg=f"step {step} {key}")
+  for a, b in zip(jax.tree.leaves(resumed_trainer.state.params),
+                  jax.tree.leaves(reference_trainer.state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
 def test_resume_honours_changed_replay_settings(exgrpo_run, tmp_path):

@@ -289,8 +289,12 @@ class Trainer:
             os.path.join(self.workdir, cfg.train.export_dir), {"step": st.step}):
           self._export()  # also redoes an export that a killed run left unfinished
     finally:
-      self.log.close()
-      self.grader.close()
-      st.close()
+      self.close()
       self._lock.release()
     return metrics
+
+  def close(self) -> None:
+    """Closes the log, the reward workers and the checkpoint store."""
+    self.log.close()
+    self.grader.close()
+    self.state.close()
