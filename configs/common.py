@@ -50,6 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
       top_k=0,
       max_new_tokens=8192,
       max_rows=0,             # jax engine: most rows per generate call, 0 = all (KV cache bound)
+      scheduler="continuous", # jax engine, more rows than max_rows: continuous | static
   ))
 
   c.reward = ml_collections.ConfigDict(dict(

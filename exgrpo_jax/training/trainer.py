@@ -41,8 +41,8 @@ class Trainer:
     self.state = run_state.RunState.create_or_restore(config, workdir)
     st = self.state
     # max_rows bounds the JAX sampler's KV cache (BUILD.md, "Memory plan").
-    options = ({"max_rows": config.rollout.max_rows or None}
-               if config.rollout.engine == "jax" else {})
+    options = ({"max_rows": config.rollout.max_rows or None,
+                "scheduler": config.rollout.scheduler} if config.rollout.engine == "jax" else {})
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step)
