@@ -109,7 +109,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       if out["done_B"][b]:
         slot_row_B[b] = -1
         if waiting < R:  # a refill inside the chunk would have used these steps
-          engine.stats["chunk_idle_steps"] += taken - (end - start)
+          engine.stats["chunk_idle_steps"] += taken - int(end - start)
       elif sampling.stop_strings and _stopped(engine.tokenizer, tokens_RxN[r, :end], start,
                                               sampling.stop_strings):
         slot_row_B[b], release_B[b] = -1, True
