@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
       default=0, help="drop (and count) longer prompts (0 = no limit)")
   add("--n", type=int, default=1, help="samples per row")
   add("--batch-prompts", "--batch_prompts", dest="batch_prompts", type=int, default=64)
+  add("--max-rows", "--max_rows", dest="max_rows", type=int, default=0,
+      help="jax engine: rows decoded at once; a call's other rows wait for a free slot "
+           "(continuous batching). 0 = all rows of a call")
   add("--seed", type=int, default=0)
   add("--dtype", default="float32", choices=("float32", "bfloat16"))
   add("--engine", default="jax", choices=sampling.ENGINES.names())
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
     print(f"error: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
           f"model's {cfg.max_position_embeddings} positions", file=sys.stderr)
     return 1
-  engine = sampling.make_engine(args.engine, cfg, tokenizer)
+  engine = sampling.make_engine(args.engine, cfg, tokenizer, **(
+      {"max_rows": args.max_rows or None} if args.engine == "jax" else {}))
   sampling_config = sampling.SamplingConfig(temperature=args.temperature, top_p=args.top_p,
                                             max_new_tokens=args.max_new_tokens)
   options = runner.EvalOptions(template=args.template, remove_system=args.remove_system,

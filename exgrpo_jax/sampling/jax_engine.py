@@ -91,6 +91,8 @@ class JaxEngine:
                        f"got {scheduler!r}")
     if chunk_steps < 1:
       raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    if max_rows is not None and max_rows < 1:
+      raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
     self.scheduler, self.chunk_steps = scheduler, chunk_steps
     self.cache_phases = cache_phases
     self.model_cfg = model_cfg
