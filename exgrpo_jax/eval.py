@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
   add("--n", type=cli.positive_int, default=1, help="samples per row")
   add("--batch-prompts", "--batch_prompts", dest="batch_prompts", type=cli.positive_int,
       default=64)
+  add("--max-rows", "--max_rows", dest="max_rows", type=int, default=0,
+      help="jax engine: rows decoded at once; a call's other rows wait for a free slot "
+           "(continuous batching). 0 = all rows of a call")
   add("--seed", type=int, default=0)
   add("--dtype", default="float32", choices=("float32", "bfloat16"))
   add("--engine", default="jax", choices=sampling.ENGINES.names())
@@ -135,7 +138,8 @@ def _evaluate(args) -> int:
   if room <= 0:
     return cli.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
                      f"the model's {cfg.max_position_embeddings} positions")
-  engine = sampling.make_engine(args.engine, cfg, tokenizer)
+  engine = sampling.make_engine(args.engine, cfg, tokenizer, **(
+      {"max_rows": args.max_rows or None} if args.engine == "jax" else {}))
   sampling_config = sampling.SamplingConfig(temperature=args.temperature, top_p=args.top_p,
                                             max_new_tokens=args.max_new_tokens)
   options = runner.EvalOptions(template=args.template, remove_system=args.remove_system,

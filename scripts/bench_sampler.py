@@ -3,6 +3,7 @@
   python scripts/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
   python scripts/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
   python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024
+  python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --new-tokens 512
 
 Both samplers run in this process on the same chat prompts (GSM8K test questions from
 ../shared/data when present), sample at temperature 1 with no top-k/top-p, and generate
@@ -23,6 +24,17 @@ the JSON has:
 With --cache-phases it instead times our sampler with the KV cache at full size from the
 first step (1 phase) against the default for that length (`decode.phases_for`: long
 rollouts grow the cache in phases), calls alternating, in one process.
+
+With --schedulers it instead runs a rollout as training does: --rows rows (--samples per
+GSM8K chat prompt) at temperature 1 with natural EOS, in --batch-sizes slots, scheduled
+statically (calls of at most that many rows, each decoded until its last row ends) and
+continuously (a slot takes the next waiting row as soon as its row ends), calls
+alternating with the same key per pair, so both decode the same rows (the JSON counts the
+rows that are identical: a draw of a very unlikely token can flip under the 1e-5 float
+differences of another summation order, and the row then goes its own way).
+It reports tokens/s (compile time excluded), the useful fraction (generated tokens /
+slot-steps), the continuous loop's host time and its slot-steps left idle until the end
+of a chunk, and the load average around every call.
 
 On an NVIDIA GPU the transformers model runs on CUDA, vLLM is timed when it imports, and
 the bandwidth bound uses the GPU's measured bandwidth. Other work on the machine skews
@@ -115,6 +127,43 @@ def bench_cache_phases(cfg, params, tokenizer, prompts, new_tokens, repeats):
          for p, (e, _, t) in runs.items()}
   out["speedup"] = out[f"phases_{phased}"]["tokens_per_s"] / out["phases_1"]["tokens_per_s"]
   return out
+
+
+def bench_schedulers(cfg, params, tokenizer, prompts, slots, samples, new_tokens, repeats):
+  """Static against continuous scheduling in `slots` slots, natural EOS, T = 1."""
+  config = sampling.SamplingConfig(max_new_tokens=new_tokens)
+  engines = {name: sampling.make_engine("jax", cfg, tokenizer, max_rows=slots, scheduler=name)
+             for name in ("static", "continuous")}
+  calls = {name: [] for name in engines}
+  for i in range(repeats):  # alternate, so drifting load hits both alike
+    outs = {}
+    for name, engine in engines.items():
+      before, load = dict(engine.stats), os.getloadavg()[0]
+      start = time.perf_counter()
+      outs[name] = engine.generate(prompts, samples, params, jax.random.key(i), config)
+      delta = {k: engine.stats[k] - before[k] for k in
+               ("compile_s", "slot_steps", "new_tokens", "host_s", "chunk_idle_steps")}
+      seconds = time.perf_counter() - start - delta["compile_s"]
+      calls[name].append(dict(delta, seconds=seconds, tokens_per_s=delta["new_tokens"] / seconds,
+                              useful_fraction=delta["new_tokens"] / delta["slot_steps"],
+                              load_before=load, load_after=os.getloadavg()[0]))
+      log(f"{name} call {i}: {json.dumps(calls[name][-1])}")
+    a, b = outs["static"], outs["continuous"]
+    same_N = (a.tokens_NxT == b.tokens_NxT).all(1)
+    calls["continuous"][-1].update(rows_identical_to_static=int(same_N.sum()),
+                                   max_logprob_diff_identical_rows=float(np.abs(
+                                       a.logprobs_NxT - b.logprobs_NxT)[same_N].max()))
+    calls["static"][-1].update(mean_length=float(a.lengths_N.mean()),
+                               eos_fraction=float(1 - a.truncated_N.mean()))
+  result = {name: dict(calls=c, **{k: statistics.median(x[k] for x in c) for k in
+                                   ("tokens_per_s", "useful_fraction", "seconds")},
+                       compile_s=engines[name].stats["compile_s"],
+                       compiles=engines[name].stats["compiles"])
+            for name, c in calls.items()}
+  result["speedup"] = statistics.median(
+      c["tokens_per_s"] / s["tokens_per_s"] for s, c in zip(calls["static"],
+                                                             calls["continuous"]))
+  return result
 
 
 def bench_transformers(hf_dir, tokenizer, prompts, new_tokens, repeats, device):
@@ -215,6 +264,10 @@ def main(argv=None):
   p.add_argument("--skip-transformers", action="store_true")
   p.add_argument("--cache-phases", action="store_true",
                  help="only compare the full-size cache with the phased one")
+  p.add_argument("--schedulers", action="store_true",
+                 help="only compare static and continuous scheduling (natural EOS)")
+  p.add_argument("--rows", type=int, default=32, help="--schedulers: rows per rollout")
+  p.add_argument("--samples", type=int, default=4, help="--schedulers: rows per prompt")
   args = p.parse_args(argv)
   policy = models.from_pretrained(args.model or None)
   tokenizer = models.load_tokenizer(args.model or None)
@@ -228,7 +281,18 @@ def main(argv=None):
                 measured_read_bandwidth_gb_per_s=bandwidth, runs=[])
   for batch in [int(b) for b in args.batch_sizes.split(",")]:
     prompts = chat_prompts(tokenizer, batch)
+    if args.schedulers:
+      prompts = chat_prompts(tokenizer, -(-args.rows // args.samples))
     run = dict(batch=batch, mean_prompt_tokens=float(np.mean([len(q) for q in prompts])))
+    if args.schedulers:
+      log(f"{batch} slots: static and continuous scheduling")
+      run.update(rows=len(prompts) * args.samples, samples_per_prompt=args.samples,
+                 schedulers=bench_schedulers(policy.config, policy.params, tokenizer, prompts,
+                                             batch, args.samples, args.new_tokens,
+                                             args.repeats))
+      result["runs"].append(run)
+      log(json.dumps(run))
+      continue
     if args.cache_phases:
       log(f"batch {batch}: cache phases")
       run["cache_phases"] = bench_cache_phases(policy.config, policy.params, tokenizer,

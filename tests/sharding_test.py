@@ -104,6 +104,12 @@ def _child(outdir: str) -> None:
           greedy)
       summary[name].update(greedy=out.tokens_NxT.tolist(),
                            greedy_logp=out.logprobs_NxT.tolist())
+      # Continuous batching: the 12 rows through 8 slots, sharded over the batch axes.
+      out = sampling.make_engine("jax", cfg, None, max_rows=8, chunk_steps=4).generate(
+          prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
+          greedy)
+      summary[name].update(continuous=out.tokens_NxT.tolist(),
+                           continuous_logp=out.logprobs_NxT.tolist())
     np.savez(os.path.join(outdir, f"{name}.npz"), *map(np.asarray, jax.tree.leaves(params)))
   with open(os.path.join(outdir, "summary.json"), "w") as f:
     json.dump(summary, f)
@@ -169,6 +175,7 @@ def test_sharded_greedy_sampling_matches_one_device(measured, mesh):
   summary, _ = measured
   tokens = np.array(summary["single"]["greedy"])
   assert len(np.unique(tokens)) > 4  # a real test: the outputs are not constant
-  np.testing.assert_array_equal(summary[mesh]["greedy"], tokens)
-  np.testing.assert_allclose(summary[mesh]["greedy_logp"], summary["single"]["greedy_logp"],
-                             atol=1e-4)
+  for name in ("greedy", "continuous"):
+    np.testing.assert_array_equal(summary[mesh][name], tokens)
+    np.testing.assert_allclose(summary[mesh][name + "_logp"], summary["single"]["greedy_logp"],
+                               atol=1e-4)

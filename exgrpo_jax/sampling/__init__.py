@@ -8,3 +8,4 @@ from exgrpo_jax.sampling import jax_engine
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling.base import (ENGINES, RolloutEngine, RolloutOutput, SamplingConfig,
                                       make_engine)
+from exgrpo_jax.sampling.jax_engine import SCHEDULERS

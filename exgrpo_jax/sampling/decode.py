@@ -55,19 +55,45 @@ def _split_rows(cache: models.KVCache, row_prompt_B: jax.Array):
                for i in range(cache.k_LxBxKxDhxS.shape[0]))
 
 
-def _decode_step(cfg, params, layers, caches, valid_BxS, index, token_B):
-  """One token per row through the unrolled layers; returns (logits, caches, valid)."""
+def prefill(cfg, params, prompt_PxL, valid_PxL):
+  """Runs P left-padded prompts through the model; returns (next-token logits_PxV, KVCache).
+
+  The cache holds the prompts' L slots only: decoding adds its slots when each row's cache
+  is copied out, so the prefill's cost does not grow with the rollout length.
+  """
+  cache = models.KVCache.zeros(cfg, *prompt_PxL.shape)
+  hidden_PxLxD, cache = models.apply(cfg, params, prompt_PxL, valid_PxL, cache=cache,
+                                     return_hidden=True)
+  return _last_logits(cfg, params, hidden_PxLxD[:, -1]), cache
+
+
+def prepare_layers(cfg, params):
+  """Every layer's weights in `decode_layer.step`'s form (a list, one entry per layer)."""
+  return [decode_layer.prepare(cfg, jax.tree.map(lambda p, i=i: p[i], params["layers"]))
+          for i in range(cfg.num_layers)]
+
+
+def layers_step(cfg, params, layers, caches, index, positions_Bx1, mask_Bx1xS, token_B):
+  """One token per row through the unrolled layers, its k/v written at cache slot `index`;
+  returns (next-token logits_BxV, caches)."""
   dt = config_lib.dtype_from_name(cfg.dtype)
   x_BxD = jnp.take(params["embed"], token_B, axis=0).astype(dt)
-  valid_BxS, positions_Bx1, mask_Bx1xS = transformer.cache_positions_and_mask(
-      valid_BxS, index, jnp.ones((token_B.shape[0], 1), bool))
   new_caches = []
   for w, (k, v) in zip(layers, caches):
     x_BxD, kv = decode_layer.step(cfg, w, x_BxD, (k, v, index), positions_Bx1,
                                   mask_Bx1xS)
     new_caches.append(kv)
   h_BxD = transformer.RMSNorm(cfg).apply({"params": params["final_norm"]}, x_BxD)
-  return _last_logits(cfg, params, h_BxD), tuple(new_caches), valid_BxS
+  return _last_logits(cfg, params, h_BxD), tuple(new_caches)
+
+
+def _decode_step(cfg, params, layers, caches, valid_BxS, index, token_B):
+  """`layers_step` at the same slot for every row; returns (logits, caches, valid)."""
+  valid_BxS, positions_Bx1, mask_Bx1xS = transformer.cache_positions_and_mask(
+      valid_BxS, index, jnp.ones((token_B.shape[0], 1), bool))
+  logits_BxV, caches = layers_step(cfg, params, layers, caches, index, positions_Bx1,
+                                   mask_Bx1xS, token_B)
+  return logits_BxV, caches, valid_BxS
 
 
 def phases_for(max_new_tokens: int) -> int:
@@ -109,21 +135,15 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
     the row ended on an EOS id).
   """
   B, N = row_prompt_B.shape[0], max_new_tokens
-  P, L = prompt_PxL.shape
-  # The prefill attends over the prompt's L slots only; the N decode slots are added when
-  # each row's cache is copied out, so the prefill's cost does not grow with N.
-  cache = models.KVCache.zeros(cfg, P, L)
-  hidden_PxLxD, cache = models.apply(cfg, params, prompt_PxL, valid_PxL, cache=cache,
-                                     return_hidden=True)
-  logits_BxV = jnp.take(_last_logits(cfg, params, hidden_PxLxD[:, -1]), row_prompt_B, axis=0)
+  L = prompt_PxL.shape[1]
+  logits_PxV, cache = prefill(cfg, params, prompt_PxL, valid_PxL)
+  logits_BxV = jnp.take(logits_PxV, row_prompt_B, axis=0)
   caches = _split_rows(cache, row_prompt_B)
   valid_BxS = jnp.take(cache.valid_BxS, row_prompt_B, axis=0)
   # The barrier keeps the per-layer weights outside the loop; without it XLA sinks their
   # slicing and rearranging into the loop body and copies every weight matrix on every
   # step.
-  layers = jax.lax.optimization_barrier(
-      [decode_layer.prepare(cfg, jax.tree.map(lambda p, i=i: p[i], params["layers"]))
-       for i in range(cfg.num_layers)])
+  layers = jax.lax.optimization_barrier(prepare_layers(cfg, params))
   choose = functools.partial(categorical.choose_tokens, top_k=top_k, use_top_p=use_top_p,
                              return_entropy=return_entropy)
 

@@ -10,6 +10,13 @@ training (T = 1) and evaluation (T = 0.6 or greedy) share a program. Compiled pr
 process; token ids such as EOS are arguments, not part of the key), and `stats` reports
 compile and generation time separately.
 
+Scheduling: with `scheduler="continuous"` (the default) and more rows than `max_rows`,
+the rows go through `max_rows` decode slots, each refilled with the next waiting row as
+soon as its row ends (`continuous`); otherwise (`scheduler="static"`, or every row has a
+slot anyway) the rows are split into calls of at most `max_rows` rows, each decoded until
+its last row ends (`decode.generate`, whose KV cache grows in phases on long rollouts).
+Both give the same rows.
+
 Randomness: row r (prompt-major, counting from 0 over the whole call) draws its step-t
 token with fold_in(fold_in(key, r), t), so the same key gives the same output, whatever
 the batch it was bucketed into or split across (`max_rows`).
@@ -32,11 +39,13 @@ import numpy as np
 from exgrpo_jax import sharding
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.sampling import base
+from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
 
+SCHEDULERS = ("continuous", "static")
 
-# (model config, argument shapes, static options) -> compiled `decode.generate`.
+# (program, model config, argument shapes, static options) -> compiled program.
 _COMPILED = {}
 
 
@@ -59,19 +68,32 @@ class JaxEngine:
     model_cfg: the policy's ModelConfig.
     tokenizer: HF tokenizer (texts, stop strings, EOS/pad ids); None for id-only use.
     min_prompt_bucket: the finest prompt-length bucket (see the module docstring).
-    max_rows: the most rows one compiled call decodes; larger requests are split by
-      prompt (a prompt's samples stay in one call). None: everything in one call.
+    max_rows: the most rows decoded at once (the KV cache's size). With more rows than
+      that, "continuous" decodes them in max_rows slots and "static" splits them by
+      prompt into calls (a prompt's samples stay in one call). None: all rows at once.
     ignore_eos: never stop on EOS (benchmarks: every row decodes max_new_tokens).
     rules: logical-axis rules of the rollout copy of sharded params.
     cache_phases: how many phases the KV cache grows in during decoding
       (`decode.generate`); None: `decode.phases_for(max_new_tokens)`.
+    scheduler: "continuous" or "static" (see the module docstring).
+    chunk_steps: continuous scheduling's decode steps per device call (rows that end
+      inside a chunk leave their slot idle until its end).
   """
 
   def __init__(self, model_cfg, tokenizer=None, min_prompt_bucket: int = 16,
                max_rows: int | None = None, ignore_eos: bool = False,
-               rules=sharding.SAMPLER_RULES, cache_phases: int | None = None):
+               rules=sharding.SAMPLER_RULES, cache_phases: int | None = None,
+               scheduler: str = "continuous", chunk_steps: int = 16):
     if cache_phases is not None and cache_phases < 1:
       raise ValueError(f"cache_phases must be None or >= 1, got {cache_phases}")
+    if scheduler not in SCHEDULERS:
+      raise ValueError(f"rollout scheduler must be one of {', '.join(SCHEDULERS)}, "
+                       f"got {scheduler!r}")
+    if chunk_steps < 1:
+      raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    if max_rows is not None and max_rows < 1:
+      raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
+    self.scheduler, self.chunk_steps = scheduler, chunk_steps
     self.cache_phases = cache_phases
     self.model_cfg = model_cfg
     self.rules = rules
@@ -85,7 +107,14 @@ class JaxEngine:
     # other EOS ids share it.
     self._program_cfg = dataclasses.replace(model_cfg, eos_token_id=(), bos_token_id=None,
                                             pad_token_id=None)
+    # slot_steps: decode steps times the rows decoded alongside (padding rows and ended
+    # rows included); new_tokens / slot_steps is the fraction of decode work that was used.
+    # prefills: prompts run through the model (padding excluded). Continuous scheduling
+    # only: chunk_idle_steps, slot-steps of slots whose row ended inside a chunk while rows
+    # were waiting; host_s, admit_s: host time between chunks, and admissions (dispatch
+    # only: admissions run on the device while the host goes on).
     self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0,
+                      slot_steps=0, prefills=0, chunk_idle_steps=0, host_s=0.0, admit_s=0.0,
                       memory={})
 
   def update_weights(self, params) -> None:
@@ -105,8 +134,13 @@ class JaxEngine:
           f"the model's max_position_embeddings={self.model_cfg.max_position_embeddings}")
     start = time.perf_counter()
     params = self._rollout_params(params)
-    parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key, sampling)
-             for rows in self._split(counts)]
+    if self.scheduler == "continuous" and prompt_index_N.size > (self.max_rows or np.inf):
+      parts = [continuous.generate(
+          self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
+          sampling, self._prompt_bucket(prompt_ids, prompt_index_N), self.max_rows)]
+    else:
+      parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key,
+                                   sampling) for rows in self._split(counts)]
     raw = {k: (None if parts[0][k] is None else np.concatenate([p[k] for p in parts]))
            for k in parts[0]}
     self.stats["generate_s"] += time.perf_counter() - start
@@ -148,7 +182,7 @@ class JaxEngine:
     prompts, row_prompt_R = np.unique(prompt_index_R, return_inverse=True)
     R, P = len(rows_R), len(prompts)
     B, Pb = bucket(R), bucket(P)
-    L = length_bucket(max(len(prompt_ids[p]) for p in prompts), self.min_prompt_bucket)
+    L = self._prompt_bucket(prompt_ids, prompts)
     prompt_PxL = np.full((Pb, L), self.pad_id, np.int32)
     valid_PxL = np.zeros((Pb, L), bool)
     for j, p in enumerate(prompts):
@@ -173,19 +207,25 @@ class JaxEngine:
                   use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                   return_entropy=sampling.return_entropy,
                   phases=self.cache_phases or decode.phases_for(sampling.max_new_tokens))
-    result = sharding.to_host(self._compile(args, static)(*args))
+    result = sharding.to_host(self.compiled(decode.generate, args, static)(*args))
+    self.stats["slot_steps"] += B * int(result["lengths_B"].max())
+    self.stats["prefills"] += P
     return {k: (None if v is None else v[:R]) for k, v in result.items()}
 
-  def _compile(self, args, static):
-    """The compiled program for these shapes and static options (compiled once)."""
-    signature = (self._program_cfg,
+  def _prompt_bucket(self, prompt_ids, prompts) -> int:
+    """The bucketed length L of these prompts' left-padded batch."""
+    return length_bucket(max(len(prompt_ids[p]) for p in prompts), self.min_prompt_bucket)
+
+  def compiled(self, program, args, static):
+    """`program` (jitted, the model config its first argument) compiled for these
+    argument shapes and static options, once per process."""
+    signature = (program, self._program_cfg,
                  tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                        for a in jax.tree.leaves(args)),
                  tuple(sorted(static.items())))
     if signature not in _COMPILED:
       start = time.perf_counter()
-      _COMPILED[signature] = decode.generate.lower(
-          self._program_cfg, *args, **static).compile()
+      _COMPILED[signature] = program.lower(self._program_cfg, *args, **static).compile()
       self.stats["compiles"] += 1
       self.stats["compile_s"] += time.perf_counter() - start
     memory = _COMPILED[signature].memory_analysis()

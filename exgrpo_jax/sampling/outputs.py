@@ -8,7 +8,8 @@ Stop strings are matched on the decoded text (special tokens skipped), as vLLM d
 row ends with the token that completes the earliest-ending occurrence of any stop
 string; that token stays in the mask, everything after it becomes padding, and the text
 ends right after the stop string. The JAX engine checks them here, after generation (a
-row may have decoded past its stop string; those tokens are discarded).
+row may have decoded past its stop string; those tokens are discarded); its continuous
+scheduler also checks them between decode chunks, to free the row's slot early.
 """
 
 from typing import Sequence
@@ -28,13 +29,18 @@ def _decode(tokenizer, ids) -> str:
   return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+def has_stop_string(tokenizer, ids, stop_strings: Sequence[str]) -> bool:
+  """Whether the decoded text of `ids` contains any of `stop_strings`."""
+  return _stop_end(_decode(tokenizer, ids), stop_strings) is not None
+
+
 def stop_at_strings(tokenizer, ids: np.ndarray, stop_strings: Sequence[str]):
   """(number of tokens to keep, text) if a stop string occurs in `ids`' text, else None.
 
   The kept prefix is the shortest one whose decoded text contains a stop string
   (binary search over prefix lengths: text only grows as tokens are appended).
   """
-  if not stop_strings or _stop_end(_decode(tokenizer, ids), stop_strings) is None:
+  if not stop_strings or not has_stop_string(tokenizer, ids, stop_strings):
     return None
   lo, hi = 0, len(ids)  # the prefix of length hi contains a stop string, lo does not
   while hi - lo > 1:

@@ -103,6 +103,7 @@ def check(c) -> None:
 
   r = c.rollout
   _known("rollout.engine", r.engine, sampling.ENGINES.names())
+  _known("rollout.scheduler", r.scheduler, sampling.SCHEDULERS)
   _range(c, "rollout.k", 2)
   _range(c, "rollout.temperature", 0)
   _range(c, "rollout.top_p", 0, 1, low_open=True)

@@ -70,8 +70,8 @@ class Trainer:
       self._lock.release()
       raise
     # max_rows bounds the JAX sampler's KV cache (BUILD.md, "Memory plan").
-    options = ({"max_rows": config.rollout.max_rows or None}
-               if config.rollout.engine == "jax" else
+    options = ({"max_rows": config.rollout.max_rows or None,
+                "scheduler": config.rollout.scheduler} if config.rollout.engine == "jax" else
                {"options": vllm_setup.VllmOptions.from_config(config)})
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)

@@ -1,0 +1,176 @@
+"""Continuous batching: B decode slots, each refilled with the next waiting row when its row ends.
+
+The static loop (`decode.generate`) decodes a batch until its last row ends, so in a
+long-tailed rollout most slot-steps go to rows that have already finished. Here a fixed
+set of B slots decodes in chunks of `steps` tokens (one jitted program, `decode_chunk`);
+between chunks the host hands every slot whose row ended (EOS, a stop string, or
+`max_new_tokens`) to the next waiting row, whose prompt `admit` prefills into that slot.
+The run ends when every row is done. Rows enter in prompt-major order, so a prompt's rows
+are admitted one after another; the last prompt an `admit` prefilled is kept on device
+(the carry), and its later rows copy its cache instead of prefilling it again: every
+prompt is prefilled once, as in the static loop.
+
+The cache of a slot has L prompt slots (left-padded, as the static loop's) and a ring of
+N = max_new_tokens decode slots. Every slot writes its step's key/value at the same ring
+slot, L + (g mod N) for the run's global step g, so the write is the static loop's
+in-place `dynamic_update_slice`; a row admitted at step g0 owns ring slots g0 ... g0+N-1
+(mod N), all distinct, and attends to them through its mask (reset at admission, so the
+slot's previous row is invisible). Positions are counted per row (prompt length + tokens
+emitted), so the row computes what the static loop computes, attention summing its terms
+in another order. Row r still draws its step-t token from fold_in(fold_in(key, r), t),
+so its output depends neither on its slot nor on its neighbours.
+
+Why the host between chunks rather than one `lax.while_loop` with the refill inside:
+the refill needs a prefill, whose size (how many new prompts) varies from refill to
+refill, and stop strings are only known to the tokenizer; between chunks both are plain
+host decisions with static shapes (prompt counts bucketed to 0, 1, 2, 4, ... `_MAX_PROMPTS`),
+and stop strings free their slot early. The price, which docs/sampler_performance.md
+measures, is a host round trip per chunk and up to `steps` - 1 idle steps of a slot whose
+row ends inside a chunk.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from exgrpo_jax import sharding
+from exgrpo_jax.sampling import outputs
+from exgrpo_jax.sampling import slots as slots_lib
+
+# One `admit` call loads at most _MAX_ROWS rows and prefills at most _MAX_PROMPTS new
+# prompts (bucketed to a power of two, or none when all its rows reuse the carry): a few
+# programs to compile, and a refill of one row never pays for a large prefill.
+_MAX_ROWS = 16
+_MAX_PROMPTS = 4
+# Stop strings are looked for in the text of a row's new tokens plus this many earlier
+# ones (a hit is then confirmed on the whole text). A longer stop string is still found
+# by `outputs.finalize`; only its slot is not freed early.
+_STOP_LOOKBACK = 32
+
+
+def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, prompt_len,
+             slots: int):
+  """Decodes rows `rows_R` (global row ids) of prompts `prompt_index_R` in `slots` slots.
+
+  `engine` is the calling `JaxEngine` (EOS ids, pad id, tokenizer, chunk length, compiled
+  programs and stats); `prompt_len` is the bucketed prompt length L. Returns the raw
+  per-row dict `outputs.finalize` takes, as the static loop does.
+  """
+  R, N, B = len(rows_R), sampling.max_new_tokens, slots
+  mesh = sharding.mesh_of(params)
+  put = (lambda x: x) if mesh is None else (
+      lambda x: jax.device_put(x, sharding.replicated(mesh)))
+  scalars = put((np.float32(sampling.temperature), np.float32(sampling.top_p),
+                 np.bool_(sampling.is_greedy), np.asarray(engine.eos_ids, np.int32)))
+  options = dict(steps=engine.chunk_steps, max_new_tokens=N,
+                 top_k=0 if sampling.is_greedy else sampling.top_k,
+                 use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
+                 return_entropy=sampling.return_entropy)
+  layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
+  state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
+      slots=B, prompt_len=prompt_len, max_new_tokens=N, mesh=mesh))(params, key)
+  row_keys_R = put(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+      key, jnp.asarray(rows_R, jnp.uint32)))
+  admitter = _Admitter(engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
+                       B, put)
+  tokens_RxN = np.zeros((R, N), np.int32)
+  logp_RxN = np.zeros((R, N), np.float32)
+  ent_RxN = np.zeros((R, N), np.float32) if sampling.return_entropy else None
+  lengths_R = np.zeros(R, np.int32)
+  slot_row_B = np.full(B, -1)
+  waiting, step = 0, 0
+  while True:
+    free = np.flatnonzero(slot_row_B < 0)[:R - waiting]
+    if free.size:
+      admit_start = time.perf_counter()
+      state, carry = admitter(state, carry, np.arange(waiting, waiting + free.size), free)
+      engine.stats["admit_s"] += time.perf_counter() - admit_start
+      slot_row_B[free] = np.arange(waiting, waiting + free.size)
+      waiting += free.size
+    if (slot_row_B < 0).all():
+      break
+    args = (params, layers, state, np.int32(step), *scalars)
+    state, out = engine.compiled(slots_lib.decode_chunk, args, options)(*args)
+    out = sharding.to_host(out)
+    host_start = time.perf_counter()
+    taken = int(out["taken"])
+    step += taken
+    engine.stats["slot_steps"] += B * taken
+    release_B = np.zeros(B, bool)
+    for b in np.flatnonzero(slot_row_B >= 0):
+      r, start, end = slot_row_B[b], lengths_R[slot_row_B[b]], out["steps_B"][b]
+      tokens_RxN[r, start:end] = out["tokens_BxC"][b, :end - start]
+      logp_RxN[r, start:end] = out["logprobs_BxC"][b, :end - start]
+      if ent_RxN is not None:
+        ent_RxN[r, start:end] = out["entropy_BxC"][b, :end - start]
+      lengths_R[r] = end
+      if out["done_B"][b]:
+        slot_row_B[b] = -1
+        if waiting < R:  # a refill inside the chunk would have used these steps
+          engine.stats["chunk_idle_steps"] += taken - int(end - start)
+      elif sampling.stop_strings and _stopped(engine.tokenizer, tokens_RxN[r, :end], start,
+                                              sampling.stop_strings):
+        slot_row_B[b], release_B[b] = -1, True
+    if release_B.any():
+      state = slots_lib.release(state, put(release_B))
+    engine.stats["host_s"] += time.perf_counter() - host_start
+  last_R = tokens_RxN[np.arange(R), np.maximum(lengths_R - 1, 0)]
+  return dict(tokens_BxN=tokens_RxN, logprobs_BxN=logp_RxN, entropy_BxN=ent_RxN,
+              lengths_B=lengths_R, eos_B=(lengths_R > 0) & np.isin(last_R, engine.eos_ids))
+
+
+def _stopped(tokenizer, ids, new_from: int, stop_strings) -> bool:
+  """Whether `ids`' text contains a stop string, looked for around the new tokens."""
+  window = ids[max(new_from - _STOP_LOOKBACK, 0):]
+  return (outputs.has_stop_string(tokenizer, window, stop_strings)
+          and outputs.has_stop_string(tokenizer, ids, stop_strings))
+
+
+class _Admitter:
+  """Loads waiting rows into free slots with `slots.admit`, keeping the carry's prompt."""
+
+  def __init__(self, engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
+               slots, put):
+    self.engine, self.prompt_ids, self.prompt_index_R = engine, prompt_ids, prompt_index_R
+    self.row_keys_R, self.params, self.L, self.B, self.put = (row_keys_R, params, prompt_len,
+                                                              slots, put)
+    self.rows_per_call = min(_MAX_ROWS, slots)
+    self.carry_prompt = -1
+
+  def __call__(self, state, carry, rows, slot_of_row):
+    """Admits rows `rows` (positions in the request) into slots `slot_of_row`."""
+    first = 0
+    while first < len(rows):
+      new, sources = [], []
+      for r in rows[first:first + self.rows_per_call]:
+        p = self.prompt_index_R[r]
+        if p != self.carry_prompt and p not in new:
+          if len(new) == _MAX_PROMPTS:
+            break
+          new.append(p)
+        sources.append(0 if p == self.carry_prompt else 1 + new.index(p))
+      state, carry = self._call(state, carry, rows[first:first + len(sources)], new, sources,
+                                slot_of_row[first:first + len(sources)])
+      self.carry_prompt = self.prompt_index_R[rows[first + len(sources) - 1]]
+      first += len(sources)
+    return state, carry
+
+  def _call(self, state, carry, rows, new_prompts, sources, slot_of_row):
+    A, L = self.rows_per_call, self.L
+    self.engine.stats["prefills"] += len(new_prompts)
+    P = 0 if not new_prompts else 1 << (len(new_prompts) - 1).bit_length()
+    prompt_PxL = np.full((P, L), self.engine.pad_id, np.int32)
+    valid_PxL = np.zeros((P, L), bool)
+    for j, p in enumerate(new_prompts):
+      ids = np.asarray(self.prompt_ids[p], np.int32)
+      prompt_PxL[j, L - len(ids):], valid_PxL[j, L - len(ids):] = ids, True
+    source_A = np.zeros(A, np.int32)
+    source_A[:len(sources)] = sources
+    slot_A = np.full(A, self.B, np.int32)  # B: out of range, dropped
+    slot_A[:len(slot_of_row)] = slot_of_row
+    keys_A = jnp.take(self.row_keys_R, jnp.asarray(np.resize(rows, A)), axis=0)
+    args = (self.params, state, carry, *self.put((prompt_PxL, valid_PxL, source_A, slot_A)),
+            keys_A, self.put(np.int32(sources[-1])))
+    return self.engine.compiled(slots_lib.admit, args, {})(*args)

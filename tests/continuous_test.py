@@ -1,0 +1,136 @@
+"""Continuous batching gives every row exactly what the static loop gives it.
+
+Tiny random models; rows end at different steps (several EOS ids, stop strings), prompts
+have different lengths, and slot counts run from 1 to more than the number of rows, with
+decode chunks short enough that rows are admitted mid-run and span several chunks.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from exgrpo_jax import models
+from exgrpo_jax import sampling
+from exgrpo_jax.sampling import continuous
+from tests import sampler_test
+
+PROMPTS = sampler_test.PROMPTS + [[7], [8, 9, 10, 11, 12, 13]]
+COUNTS = [2, 0, 3, 1, 2]  # 8 rows; prompt 1 asks for none
+CHUNK = 4
+SAMPLED = sampler_test.BASE  # T = 1, entropies
+GREEDY = sampler_test.GREEDY
+
+
+@pytest.fixture(scope="module")
+def eos_model():
+  """The tiny model with EOS ids that end rows after 1 to 12 tokens."""
+  cfg, params = sampler_test.tiny_model()
+  free = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
+      PROMPTS, COUNTS, params, jax.random.key(3), SAMPLED)
+  eos = tuple(sorted({int(t) for t in free.tokens_NxT[[0, 2, 5], [1, 4, 6]]}))
+  return dataclasses.replace(cfg, eos_token_id=eos), params
+
+
+def assert_same_rows(out, ref):
+  np.testing.assert_array_equal(out.prompt_index_N, ref.prompt_index_N)
+  np.testing.assert_array_equal(out.lengths_N, ref.lengths_N)
+  np.testing.assert_array_equal(out.tokens_NxT, ref.tokens_NxT)
+  np.testing.assert_array_equal(out.mask_NxT, ref.mask_NxT)
+  np.testing.assert_array_equal(out.truncated_N, ref.truncated_N)
+  np.testing.assert_allclose(out.logprobs_NxT, ref.logprobs_NxT, rtol=0, atol=1e-5)
+  if ref.entropy_NxT is not None:
+    np.testing.assert_allclose(out.entropy_NxT, ref.entropy_NxT, rtol=0, atol=1e-5)
+  assert out.texts == ref.texts
+
+
+@pytest.mark.parametrize("config", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_every_slot_count_gives_the_static_rows(eos_model, config):
+  cfg, params = eos_model
+  key = jax.random.key(3)
+  ref = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
+      PROMPTS, COUNTS, params, key, config)
+  assert len(set(ref.lengths_N.tolist())) >= 2 and ref.lengths_N.min() < sampler_test.MAX_NEW
+  for slots in (1, 2, 3, 5, 8, 11):
+    engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=CHUNK)
+    assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, config), ref)
+    if slots == 1:  # a chunk ends when its only row does: no step is wasted
+      assert engine.stats["slot_steps"] == ref.lengths_N.sum()
+  # More slots than rows: every row has a slot from the start, and the engine runs the
+  # static loop. The continuous loop itself, with idle slots, gives the same rows too.
+  engine = sampling.make_engine("jax", cfg, None, chunk_steps=CHUNK)
+  prompt_index = ref.prompt_index_N
+  raw = continuous.generate(engine, PROMPTS, prompt_index, np.arange(prompt_index.size),
+                            params, key, config, prompt_len=32, slots=11)
+  np.testing.assert_array_equal(raw["lengths_B"], ref.lengths_N)
+  np.testing.assert_array_equal(np.where(ref.mask_NxT, raw["tokens_BxN"], 0),
+                                np.where(ref.mask_NxT, ref.tokens_NxT, 0))
+  np.testing.assert_allclose(raw["logprobs_BxN"], ref.logprobs_NxT, rtol=0, atol=1e-5)
+
+
+def test_rows_keep_their_draws_whatever_their_slot(eos_model):
+  """Row r's draws come from fold_in(fold_in(key, r), t): dropping the rows before it
+  (so it gets another slot at another time) leaves it as it was."""
+  cfg, params = eos_model
+  engine = sampling.make_engine("jax", cfg, None, max_rows=2, chunk_steps=CHUNK)
+  whole = engine.generate(PROMPTS, COUNTS, params, jax.random.key(4), SAMPLED)
+  tail = engine.generate(PROMPTS, [0, 0, 0, 1, 2], params, jax.random.key(4), SAMPLED)
+  # Without the rows before it, row 5 is row 0: it draws with fold_in(key, 0), not 5.
+  assert (tail.tokens_NxT != whole.tokens_NxT[5:]).any()
+  shifted = engine.generate(PROMPTS, [0, 5, 0, 1, 2], params, jax.random.key(4), SAMPLED)
+  np.testing.assert_array_equal(shifted.tokens_NxT[5:], whole.tokens_NxT[5:])
+  np.testing.assert_allclose(shifted.logprobs_NxT[5:], whole.logprobs_NxT[5:], atol=1e-5)
+
+
+def test_prompts_are_prefilled_once_and_programs_compiled_once(eos_model):
+  """A prompt's rows share its prefill even when they enter in different refills (3
+  slots, groups of 2 and 3 rows). The programs: prepare, empty, decode, and an admit per
+  count of new prompts (0, 1, 2, 4); new weights, keys or sampling switches compile none."""
+  cfg, params = eos_model
+  engine = sampling.make_engine("jax", cfg, None, max_rows=3, chunk_steps=CHUNK)
+  for counts, prompts_used in (([2, 0, 3, 1, 2], 4), ([3, 0, 1, 2, 3], 4), ([1, 0, 1, 0, 8], 3)):
+    before = engine.stats["prefills"]
+    engine.generate(PROMPTS, counts, params, jax.random.key(0), SAMPLED)
+    assert engine.stats["prefills"] - before == prompts_used
+  compiles = engine.stats["compiles"]
+  shifted = jax.tree.map(lambda x: x * 1.01, params)
+  for counts in ([2, 0, 3, 1, 2], [3, 0, 1, 2, 3], [1, 0, 1, 0, 8]):
+    engine.generate(PROMPTS, counts, shifted, jax.random.key(1), GREEDY)
+  assert engine.stats["compiles"] == compiles
+
+
+@pytest.fixture(scope="module")
+def text_model():
+  try:
+    tokenizer = models.load_tokenizer()
+  except (FileNotFoundError, ImportError) as e:
+    pytest.skip(f"embedded tokenizer unavailable: {e}")
+  cfg = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                           eos_token_id=(tokenizer.eos_token_id,),
+                           pad_token_id=tokenizer.pad_token_id)
+  params = jax.tree.map(lambda x: x * 30, models.init_params(cfg, jax.random.key(0)))
+  return cfg, params, tokenizer
+
+
+def test_stop_strings_end_rows_as_in_the_static_loop(text_model):
+  cfg, params, tokenizer = text_model
+  prompts = [tokenizer("Hi there")["input_ids"], tokenizer("What is 2 + 2? Think.")["input_ids"]]
+  config = dataclasses.replace(SAMPLED, max_new_tokens=16)
+  static = sampling.make_engine("jax", cfg, tokenizer, scheduler="static")
+  free = static.generate(prompts, 3, params, jax.random.key(0), config)
+  # Stop strings taken from the middle of two rows' texts, so those rows stop early.
+  stops = tuple(text[len(text) // 2:len(text) // 2 + 2] for text in free.texts[1:5:3])
+  config = dataclasses.replace(config, stop_strings=stops)
+  ref = static.generate(prompts, 3, params, jax.random.key(0), config)
+  assert (ref.lengths_N < free.lengths_N).sum() >= 2
+  for slots in (1, 4):
+    engine = sampling.make_engine("jax", cfg, tokenizer, max_rows=slots, chunk_steps=CHUNK)
+    assert_same_rows(engine.generate(prompts, 3, params, jax.random.key(0), config), ref)
+
+
+def test_bad_scheduler_is_named():
+  cfg, _ = sampler_test.tiny_model()
+  with pytest.raises(ValueError, match="scheduler must be one of continuous, static, got 'fifo'"):
+    sampling.make_engine("jax", cfg, None, scheduler="fifo")
