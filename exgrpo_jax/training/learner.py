@@ -2,12 +2,15 @@
 
 A mini-batch arrives as M micro-batches of Bm sequences, each `prompt (left-padded to P)
 + response (right-padded to R)`. The step scans over micro-batches accumulating
-gradients of
+gradients of the mini-batch objective
 
   policy_loss(logp, old_logp, adv, mask, is_replay) - entropy_coeff * mean entropy
 
-(log-probs and entropies from hidden states, chunked so [B, T, V] float32 logits never
-exist at once), clips the global gradient norm, and applies AdamW unless the norm is
+where every token carries its weight in the whole mini-batch (the aggregation's and the
+entropy mean's denominators are the mini-batch's, `packing.token_weights`), so the summed
+gradient, and the logged losses, do not depend on the micro-batch size. Log-probs and
+entropies come from hidden states, chunked so [B, T, V] float32 logits never exist at
+once. The step clips the global gradient norm and applies AdamW unless the norm is
 non-finite or above `skip_grad_norm` (then the step is skipped and counted).
 """
 
@@ -22,6 +25,13 @@ from exgrpo_jax import logprobs
 from exgrpo_jax import losses
 from exgrpo_jax import models
 from exgrpo_jax import sharding
+from exgrpo_jax.training import packing
+
+# Micro-batch metrics that add up to the mini-batch's (losses already carry mini-batch
+# weights, token counts); "*_max" metrics take the maximum, the rest are token means,
+# weighted by the replayed ("off_*") or fresh tokens they average over.
+_SUMMED = ("loss", "pg_loss", "on_pg_loss", "off_pg_loss", "entropy", "on_tokens",
+           "off_tokens")
 
 
 @flax.struct.dataclass
@@ -72,8 +82,10 @@ def _score_fn(mesh):
   return jax.jit(response_stats, static_argnums=(0, 4, 5), **out)
 
 
-def _micro_loss(params, micro, *, cfg, algo, use_clip, prompt_len, chunk):
-  tokens_BxS, valid_BxS, mask_BxR, old_logp_BxR, adv_B, is_replay_B = micro
+def _micro_loss(params, micro, *, cfg, algo, use_clip, prompt_len, chunk, num_tokens):
+  """The micro-batch's share of the mini-batch objective (`num_tokens`: the mini-batch's
+  loss tokens)."""
+  tokens_BxS, valid_BxS, mask_BxR, old_logp_BxR, adv_B, is_replay_B, weight_BxR = micro
   logp_BxR, entropy_BxR = response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len,
                                          chunk)
   is_replay_BxR = jnp.broadcast_to(is_replay_B[:, None], mask_BxR.shape) & mask_BxR
@@ -81,11 +93,49 @@ def _micro_loss(params, micro, *, cfg, algo, use_clip, prompt_len, chunk):
   pg_loss, metrics = loss_fn(
       logp_BxR, old_logp_BxR, adv_B, mask_BxR, is_replay_BxR, clip_eps=algo.clip_eps,
       use_clip=use_clip, shaping_gamma=algo.shaping_gamma, norm_len=algo.norm_len,
-      aggregation=algo.aggregation)
-  n_tokens = jnp.maximum(mask_BxR.sum(), 1)
-  entropy = jnp.sum(entropy_BxR * mask_BxR) / n_tokens
-  metrics = dict(metrics, entropy=entropy, pg_loss=pg_loss)
-  return pg_loss - algo.entropy_coeff * entropy, metrics
+      aggregation=algo.aggregation, weight_BxT=weight_BxR)
+  entropy = jnp.sum(entropy_BxR * mask_BxR) / num_tokens
+  loss = pg_loss - algo.entropy_coeff * entropy
+  return loss, dict(metrics, entropy=entropy, pg_loss=pg_loss, loss=loss)
+
+
+def combine_metrics(metrics_M: dict) -> dict:
+  """The mini-batch's metrics from its micro-batches' (each [M]); see `_SUMMED`."""
+  combined = {}
+  for name, value_M in metrics_M.items():
+    if name in _SUMMED:
+      combined[name] = value_M.sum()
+    elif name.endswith("_max"):
+      combined[name] = value_M.max()
+    else:
+      tokens_M = metrics_M["off_tokens" if name.startswith("off_") else "on_tokens"]
+      combined[name] = (value_M * tokens_M).sum() / jnp.maximum(tokens_M.sum(), 1)
+  return combined
+
+
+def accumulate_gradients(params, batch: TrainBatch, *, cfg, algo, use_clip, chunk,
+                         param_shardings=None):
+  """Gradients of the mini-batch objective and its metrics, one micro-batch at a time."""
+  M, Bm, R = batch.mask_MxBxR.shape
+  weight_MxBxR = packing.token_weights(batch.mask_MxBxR.reshape(M * Bm, R),
+                                       algo.aggregation, algo.norm_len).reshape(M, Bm, R)
+  grad_fn = jax.grad(functools.partial(
+      _micro_loss, cfg=cfg, algo=algo, use_clip=use_clip, prompt_len=batch.prompt_len,
+      chunk=chunk, num_tokens=jnp.maximum(batch.mask_MxBxR.sum(), 1)), has_aux=True)
+  # Gradients are accumulated in the parameters' sharding (under FSDP, 1/n of them per
+  # device); left to propagation, the zeros could come out replicated.
+  constrain = (functools.partial(jax.lax.with_sharding_constraint, shardings=param_shardings)
+               if param_shardings is not None else lambda tree: tree)
+
+  def accumulate(grads_acc, micro):
+    grads, metrics = grad_fn(params, micro)
+    return constrain(jax.tree.map(jnp.add, grads_acc, grads)), metrics
+
+  micro_batches = (batch.tokens_MxBxS, batch.valid_MxBxS, batch.mask_MxBxR,
+                   batch.old_logp_MxBxR, batch.adv_MxB, batch.is_replay_MxB, weight_MxBxR)
+  zeros = constrain(jax.tree.map(jnp.zeros_like, params))
+  grads, metrics_M = jax.lax.scan(accumulate, zeros, micro_batches)
+  return grads, combine_metrics(metrics_M)
 
 
 def train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip: bool,
@@ -120,31 +170,15 @@ def _compiled_step(treedef, flat_shardings):
 
 def _train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip, chunk,
                 param_shardings):
-  grad_fn = jax.value_and_grad(functools.partial(
-      _micro_loss, cfg=cfg, algo=algo, use_clip=use_clip, prompt_len=batch.prompt_len,
-      chunk=chunk), has_aux=True)
-  # Gradients are accumulated in the parameters' sharding (under FSDP, 1/n of them per
-  # device); left to propagation, the zeros could come out replicated.
-  constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=param_shardings)
-
-  def accumulate(carry, micro):
-    grads_acc, loss_acc = carry
-    (loss, metrics), grads = grad_fn(params, micro)
-    grads_acc = constrain(jax.tree.map(jnp.add, grads_acc, grads))
-    return (grads_acc, loss_acc + loss), metrics
-
-  micro_batches = (batch.tokens_MxBxS, batch.valid_MxBxS, batch.mask_MxBxR,
-                   batch.old_logp_MxBxR, batch.adv_MxB, batch.is_replay_MxB)
-  zeros = constrain(jax.tree.map(jnp.zeros_like, params))
-  (grads, loss), metrics_M = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), micro_batches)
+  grads, metrics = accumulate_gradients(params, batch, cfg=cfg, algo=algo, use_clip=use_clip,
+                                        chunk=chunk, param_shardings=param_shardings)
   grad_norm = optax.global_norm(grads)
   skip = ~jnp.isfinite(grad_norm) | (grad_norm > optim.skip_grad_norm)
   tx = make_optimizer(optim)
   updates, new_opt_state = tx.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   keep_old = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
-  metrics = {k: v.mean() for k, v in metrics_M.items()}
-  metrics.update(loss=loss, grad_norm=grad_norm, skipped=skip.astype(jnp.float32))
+  metrics.update(grad_norm=grad_norm, skipped=skip.astype(jnp.float32))
   return keep_old(params, new_params), keep_old(opt_state, new_opt_state), metrics
 
 
