@@ -32,6 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="bfloat16",
       param_dtype="float32",
       remat="full",
+      attention="auto",      # auto | xla | blockwise | cudnn | splash (models/attention.py)
   ))
 
   c.data = ml_collections.ConfigDict(dict(

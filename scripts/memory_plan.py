@@ -11,13 +11,16 @@ pods) and each mesh (fsdp x tensor over all its devices), it prints the bytes pe
   update_temp            one more parameter-sized buffer while AdamW updates;
   activations            one micro-batch's forward/backward under the config's remat:
                          the residual stream saved per layer, one recomputed layer
-                         (attention scores are materialised: float32 scores, their
-                         gradient, bfloat16 probabilities, H x S x S each), and the
-                         chunked log-prob logits;
+                         (blockwise attention, `models/blockwise.py`: q, k, v, output,
+                         float32 log-sum-exp and dq/dk/dv accumulators, O(S), plus four
+                         float32 score tiles of H x 512 x 512; on GPUs also cuDNN's
+                         S x S bfloat16 mask bias per sequence), and the chunked
+                         log-prob logits;
   sampler_params         the rollout copy (`sharding.SAMPLER_RULES`, compute dtype);
   kv_cache               K and V of every layer for the rows (and their prompts) of one
                          `generate` call, S = 1024 prompt + max_new_tokens slots;
-  prefill_temp           the prefill's attention scores for those prompts.
+  prefill_temp           the prefill's attention for those prompts (as above, without
+                         the backward).
 
 Peaks: learner = params + adamw + grads + update_temp + activations; rollout = params +
 adamw + sampler_params + kv_cache + prefill_temp (the phases do not overlap). A mesh fits
@@ -45,6 +48,7 @@ sys.path.insert(0, REPO)
 
 from exgrpo_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.models import blockwise  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.training import padding  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
@@ -90,7 +94,18 @@ def shard_bytes(cfg, mesh, rules, dtype: str) -> int:
   return total
 
 
-def plan(cfg, c, devices: int, tensor: int, capacity: float) -> dict:
+def attention_bytes(queries: int, keys: int, heads: int, kv_heads: int, head_dim: int,
+                    act: int, gpu: bool) -> int:
+  """One sequence's attention memory (blockwise; in the learner, a recomputed layer's
+  backward): per query q, output, dq and log-sum-exp, per key k, v, dk, dv, four float32
+  score tiles, and on GPUs cuDNN's [queries, keys] bfloat16 mask bias."""
+  tiles = 4 * heads * blockwise.BLOCK ** 2 * 4
+  per_query = heads * head_dim * (2 * act + 4) + heads * 4
+  per_key = kv_heads * head_dim * (2 * act + 8)
+  return queries * per_query + keys * per_key + tiles + (queries * keys * 2 if gpu else 0)
+
+
+def plan(cfg, c, devices: int, tensor: int, capacity: float, gpu: bool) -> dict:
   """Memory per device of config `c` for model `cfg` on a (devices/tensor, tensor) mesh."""
   mesh = jax.sharding.AbstractMesh((devices // tensor, tensor), ("fsdp", "tensor"))
   batch_shards = sharding.batch_shards(mesh)
@@ -110,7 +125,7 @@ def plan(cfg, c, devices: int, tensor: int, capacity: float) -> dict:
     seqs = micro // batch_shards if micro % batch_shards == 0 else micro
     saved = L if c.model.remat != "none" else L * 8  # remat off: ~8 tensors per layer
     residual = seqs * saved * seq * D * act
-    attention = seqs * h_t * seq * seq * (4 + 4 + 2)
+    attention = seqs * attention_bytes(seq, seq, h_t, kv_t, Dh, act, gpu)
     mlp = seqs * seq * f_t * act * 4
     logits = 3 * c.train.logprob_chunk * v_t * 4
     return residual + attention + mlp + logits
@@ -121,7 +136,7 @@ def plan(cfg, c, devices: int, tensor: int, capacity: float) -> dict:
     prompts_dev = prompts // batch_shards if prompts % batch_shards == 0 else prompts
     kv_row = 2 * L * kv_t * Dh * seq * act
     return ((rows_dev + prompts_dev) * kv_row,
-            prompts_dev * h_t * prompt * seq * (4 + 2))
+            prompts_dev * attention_bytes(prompt, seq, h_t, kv_t, Dh, act, gpu))
 
   budget = capacity * GIB
   learner_fixed = params * 6
@@ -187,7 +202,7 @@ def main(argv=None) -> None:
                             micro_batch_size=c.optim.micro_batch_size),
                  config_mesh=list(c.mesh.shape), machines={})
     for machine, (devices, gib) in MACHINES.items():
-      meshes = [plan(cfg, c, devices, t, args.usable * gib)
+      meshes = [plan(cfg, c, devices, t, args.usable * gib, gpu="GPU" in machine)
                 for t in (1, 2, 4, 8) if devices % t == 0]
       entry["machines"][machine] = dict(
           device_gib=gib, usable_gib=round(args.usable * gib, 1),

@@ -14,6 +14,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Rematerialisation of each decoder layer in the backward pass: "none", "full" (save
 # nothing) or "dots" (save matmul outputs without batch dims).
 REMATS = ("none", "full", "dots")
+ATTENTIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -58,6 +59,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   remat: str = "none"  # one of REMATS
+  # Attention kernel, one of ATTENTIONS (see models/attention.py); "auto" picks the best
+  # the backend runs.
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -68,6 +72,8 @@ class ModelConfig:
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
     if self.remat not in REMATS:
       raise ValueError(f"remat must be one of {REMATS}, got {self.remat!r}")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
     dtype_from_name(self.param_dtype)
     dtype_from_name(self.dtype)
 

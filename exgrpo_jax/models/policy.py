@@ -26,9 +26,14 @@ def module(cfg: config_lib.ModelConfig) -> transformer.Transformer:
   return transformer.Transformer(cfg)
 
 
-def apply(cfg, params, tokens_BxT, valid_BxT=None, cache=None, return_hidden=False):
-  """Runs the model; returns (logits [B,T,V] float32 or hidden [B,T,D], cache)."""
-  return module(cfg).apply({"params": params}, tokens_BxT, valid_BxT, cache, return_hidden)
+def apply(cfg, params, tokens_BxT, valid_BxT=None, cache=None, return_hidden=False, *,
+          positions_BxT=None, segment_ids_BxT=None):
+  """Runs the model; returns (logits [B,T,V] float32 or hidden [B,T,D], cache).
+
+  `positions_BxT` / `segment_ids_BxT` describe packed rows (see `Transformer.__call__`).
+  """
+  return module(cfg).apply({"params": params}, tokens_BxT, valid_BxT, cache, return_hidden,
+                           positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
 
 
 def unembedding(cfg, params) -> jax.Array:

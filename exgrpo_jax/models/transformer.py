@@ -20,9 +20,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from exgrpo_jax.models import attention as attention_lib
 from exgrpo_jax.models import config as config_lib
-
-_NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
 @flax.struct.dataclass
@@ -50,17 +49,31 @@ class KVCache:
                jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
 
 
-def cache_positions_and_mask(valid_BxS: jax.Array, index: jax.Array, valid_BxT: jax.Array):
+def cache_positions(valid_BxS: jax.Array, index: jax.Array, valid_BxT: jax.Array):
   """For T tokens written at cache slot `index`: (slot validity after the write, their
-  positions [B, T], their attention mask over the slots [B, T, S])."""
-  T = valid_BxT.shape[1]
+  positions [B, T])."""
   valid_BxS = jax.lax.dynamic_update_slice_in_dim(valid_BxS, valid_BxT, index, axis=1)
-  slot_S = jnp.arange(valid_BxS.shape[1])
-  query_slot_T = index + jnp.arange(T)
   positions_BxS = jnp.maximum(jnp.cumsum(valid_BxS, axis=1) - 1, 0)
-  positions_BxT = jax.lax.dynamic_slice_in_dim(positions_BxS, index, T, axis=1)
-  mask_BxTxS = (slot_S[None, :] <= query_slot_T[:, None])[None] & valid_BxS[:, None, :]
-  return valid_BxS, positions_BxT, mask_BxTxS
+  positions_BxT = jax.lax.dynamic_slice_in_dim(positions_BxS, index, valid_BxT.shape[1],
+                                               axis=1)
+  return valid_BxS, positions_BxT
+
+
+def cache_positions_and_mask(valid_BxS: jax.Array, index: jax.Array, valid_BxT: jax.Array):
+  """`cache_positions` and the tokens' attention mask over the slots [B, T, S]."""
+  valid_BxS, positions_BxT = cache_positions(valid_BxS, index, valid_BxT)
+  mask = attention_lib.AttentionMask.padded(valid_BxS, index)
+  return valid_BxS, positions_BxT, mask.dense(valid_BxT.shape[1])
+
+
+def segment_positions(segment_ids_BxT: jax.Array) -> jax.Array:
+  """Each token's offset from the start of its segment (a run of equal segment ids)."""
+  t_T = jnp.arange(segment_ids_BxT.shape[1])
+  starts_BxT = jnp.concatenate(
+      [jnp.ones_like(segment_ids_BxT[:, :1], bool),
+       segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+  start_BxT = jax.lax.cummax(jnp.where(starts_BxT, t_T, 0), axis=1)
+  return t_T - start_BxT
 
 
 def rope_inv_freq(cfg: config_lib.ModelConfig) -> jax.Array:
@@ -93,40 +106,29 @@ def apply_rope(x_BxTxNxDh, positions_BxT, inv_freq):
   return x_BxTxNxDh * cos.astype(dtype) + rotated * sin.astype(dtype)
 
 
+def write_cache(k_BxTxKxDh, v_BxTxKxDh, cache_kv):
+  """New keys/values in the cache layout, written at slot `index` if `cache_kv` =
+  (k_BxKxDhxS, v_BxKxSxDh, index) is given; returns (k_BxKxDhxS, v_BxKxSxDh)."""
+  k_BxKxDhxT = k_BxTxKxDh.transpose(0, 2, 3, 1)
+  v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
+  if cache_kv is None:
+    return k_BxKxDhxT, v_BxKxTxDh
+  cache_k, cache_v, index = cache_kv
+  return (jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxKxDhxT, index, axis=3),
+          jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxKxTxDh, index, axis=2))
+
+
 def attend(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxTxS, cache_kv):
-  """Grouped-query attention of T new (RoPE'd) queries over their keys/values.
+  """The einsum attention with an explicit mask, for the sampler's decode step.
 
   With `cache_kv` = (k_BxKxDhxS, v_BxKxSxDh, index) the new keys/values are first written
   at slot `index` and the queries attend to all S slots (through the mask); returns
   (out_BxTxHxDh, updated (k, v) cache or None).
   """
-  dt = q_BxTxHxDh.dtype
-  k_BxKxDhxT = k_BxTxKxDh.transpose(0, 2, 3, 1)
-  v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
-  if cache_kv is not None:
-    cache_k, cache_v, index = cache_kv
-    k_BxKxDhxS = jax.lax.dynamic_update_slice_in_dim(cache_k, k_BxKxDhxT, index, axis=3)
-    v_BxKxSxDh = jax.lax.dynamic_update_slice_in_dim(cache_v, v_BxKxTxDh, index, axis=2)
-    new_kv = (k_BxKxDhxS, v_BxKxSxDh)
-  else:
-    k_BxKxDhxS, v_BxKxSxDh, new_kv = k_BxKxDhxT, v_BxKxTxDh, None
-
-  # Query rows m = (group member g, position t) per KV head, so both attention matmuls
-  # are plain [M, Dh] x [Dh, S] and [M, S] x [S, Dh] matmuls batched over (b, k), which
-  # XLA:CPU's library dot runs directly; other arrangements made XLA transpose the
-  # cache (or, on every decode step, the o_proj weight) or use a slow generic dot.
-  B, T, H, Dh = q_BxTxHxDh.shape
-  K, S = k_BxKxDhxS.shape[1], k_BxKxDhxS.shape[3]
-  G = H // K
-  q_BxKxMxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(
-      B, K, G * T, Dh)
-  scores = jnp.einsum("bkmh,bkhs->bkms", q_BxKxMxDh, k_BxKxDhxS,
-                      preferred_element_type=jnp.float32) / math.sqrt(Dh)
-  scores = jnp.where(mask_BxTxS[:, None, None], scores.reshape(B, K, G, T, S), _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(B, K, G * T, S)
-  out_BxKxMxDh = jnp.einsum("bkms,bksh->bkmh", probs, v_BxKxSxDh)
-  return out_BxKxMxDh.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(
-      B, T, H, Dh), new_kv
+  k_BxKxDhxS, v_BxKxSxDh = write_cache(k_BxTxKxDh, v_BxTxKxDh, cache_kv)
+  out_BxTxHxDh = attention_lib.einsum_attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh,
+                                                mask_BxTxS)
+  return out_BxTxHxDh, None if cache_kv is None else (k_BxKxDhxS, v_BxKxSxDh)
 
 
 def _param(module, name, init, shape, axes, dtype):
@@ -153,7 +155,7 @@ class Attention(nn.Module):
   cfg: config_lib.ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache_kv):
+  def __call__(self, x_BxTxD, positions_BxT, mask: attention_lib.AttentionMask, cache_kv):
     cfg = self.cfg
     pdt = config_lib.dtype_from_name(cfg.param_dtype)
     dt = config_lib.dtype_from_name(cfg.dtype)
@@ -174,7 +176,10 @@ class Attention(nn.Module):
     k_BxTxKxDh = apply_rope(project("k_proj", K, "kv_heads"), positions_BxT, inv_freq)
     v_BxTxKxDh = project("v_proj", K, "kv_heads")
 
-    out_BxTxHxDh, new_kv = attend(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxTxS, cache_kv)
+    k_BxKxDhxS, v_BxKxSxDh = write_cache(k_BxTxKxDh, v_BxTxKxDh, cache_kv)
+    out_BxTxHxDh = attention_lib.attend(cfg.attention, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh,
+                                        mask)
+    new_kv = None if cache_kv is None else (k_BxKxDhxS, v_BxKxSxDh)
     w_o = _param(self, "o_proj", init, (H, Dh, D), ("heads", "head_dim", "embed"), pdt)
     return jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)), new_kv
 
@@ -203,10 +208,9 @@ class DecoderLayer(nn.Module):
   cfg: config_lib.ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask_BxTxS):
+  def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask):
     attn_out, new_kv = Attention(self.cfg, name="attn")(
-        RMSNorm(self.cfg, name="input_norm")(x_BxTxD), positions_BxT, mask_BxTxS,
-        layer_cache)
+        RMSNorm(self.cfg, name="input_norm")(x_BxTxD), positions_BxT, mask, layer_cache)
     x_BxTxD = x_BxTxD + attn_out
     x_BxTxD = x_BxTxD + MLP(self.cfg, name="mlp")(
         RMSNorm(self.cfg, name="post_attn_norm")(x_BxTxD))
@@ -250,7 +254,7 @@ class Transformer(nn.Module):
     return self.embedding_VxD.T if self.cfg.tie_word_embeddings else self.lm_head_DxV
 
   def __call__(self, tokens_BxT, valid_BxT=None, cache: KVCache | None = None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, *, positions_BxT=None, segment_ids_BxT=None):
     """Runs the decoder.
 
     Args:
@@ -260,6 +264,11 @@ class Transformer(nn.Module):
       cache: if given, the T tokens are written at slots [index, index+T) and attend to
         every valid earlier slot; the updated cache is returned.
       return_hidden: return final-norm hidden states [B, T, D] instead of logits.
+      positions_BxT: int RoPE positions, overriding the default (count of valid tokens,
+        or the offset within the segment when `segment_ids_BxT` is given).
+      segment_ids_BxT: int, for rows packing several sequences: 0 on padding, 1, 2, ...
+        for the sequence a token belongs to. Tokens attend causally within their own
+        segment only; replaces `valid_BxT`. Not supported with a cache.
 
     Returns:
       (float32 logits [B, T, V] or hidden states, updated cache or None).
@@ -272,17 +281,25 @@ class Transformer(nn.Module):
     x_BxTxD = jnp.take(self.embedding_VxD, tokens_BxT, axis=0).astype(dt)
 
     if cache is None:
-      positions_BxT = jnp.maximum(jnp.cumsum(valid_BxT, axis=1) - 1, 0)
-      causal_TxT = jnp.tril(jnp.ones((T, T), bool))
-      mask_BxTxS = causal_TxT[None] & valid_BxT[:, None, :]
+      if segment_ids_BxT is None:
+        default_positions_BxT = jnp.maximum(jnp.cumsum(valid_BxT, axis=1) - 1, 0)
+        mask = attention_lib.AttentionMask.padded(valid_BxT)
+      else:
+        default_positions_BxT = segment_positions(segment_ids_BxT)
+        mask = attention_lib.AttentionMask.packed(segment_ids_BxT)
       layer_caches, new_cache = None, None
     else:
-      valid_BxS, positions_BxT, mask_BxTxS = cache_positions_and_mask(
-          cache.valid_BxS, cache.index, valid_BxT)
+      if segment_ids_BxT is not None:
+        raise ValueError("segment_ids_BxT (packed rows) is not supported with a KV cache")
+      valid_BxS, default_positions_BxT = cache_positions(cache.valid_BxS, cache.index,
+                                                         valid_BxT)
+      mask = attention_lib.AttentionMask.padded(valid_BxS, cache.index)
       layer_caches = (cache.k_LxBxKxDhxS, cache.v_LxBxKxSxDh,
                       jnp.broadcast_to(cache.index, (cfg.num_layers,)))
 
-    x_BxTxD, new_kv = self.layers(x_BxTxD, layer_caches, positions_BxT, mask_BxTxS)
+    if positions_BxT is None:
+      positions_BxT = default_positions_BxT
+    x_BxTxD, new_kv = self.layers(x_BxTxD, layer_caches, positions_BxT, mask)
     if cache is not None:
       new_cache = KVCache(new_kv[0], new_kv[1], valid_BxS, cache.index + T)
     h_BxTxD = self.final_norm(x_BxTxD)

@@ -13,6 +13,7 @@ from exgrpo_jax import advantages
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
 from exgrpo_jax.data import templates
+from exgrpo_jax.models import attention
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
@@ -64,6 +65,7 @@ def check(c) -> None:
   _known("model.dtype", m.dtype, DTYPES)
   _known("model.param_dtype", m.param_dtype, DTYPES)
   _known("model.remat", m.remat, config_lib.REMATS)
+  _known("model.attention", m.attention, attention.supported())
   if m.path:
     _file("model.path", m.path)
 

@@ -35,7 +35,7 @@ def _model_config_for_random_init(config, tokenizer) -> models.ModelConfig:
       vocab_size=len(tokenizer), eos_token_id=(tokenizer.eos_token_id,),
       pad_token_id=tokenizer.pad_token_id, dtype=config.model.dtype,
       param_dtype=config.model.param_dtype, remat=config.model.remat,
-      **config.model.arch.to_dict())
+      attention=config.model.attention, **config.model.arch.to_dict())
 
 
 class RunState:
@@ -61,7 +61,8 @@ class RunState:
     else:
       self._hf_dir = models.resolve_hf_dir(m.path or models.default_model_path())
       self.model_cfg = loading.read_config(self._hf_dir, dtype=m.dtype,
-                                           param_dtype=m.param_dtype, remat=m.remat)
+                                           param_dtype=m.param_dtype, remat=m.remat,
+                                           attention=m.attention)
     self.mesh = sharding.make_mesh(config.mesh)
     if config.optim.micro_batch_size % sharding.batch_shards(self.mesh):
       print(f"[exgrpo_jax] warning: optim.micro_batch_size={config.optim.micro_batch_size} "

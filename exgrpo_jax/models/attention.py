@@ -1,0 +1,171 @@
+"""Attention of RoPE'd queries over keys/values: one entry point, swappable kernels.
+
+`attend(name, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)` runs the implementation that
+`ModelConfig.attention` names (see `IMPLEMENTATIONS`):
+
+  xla        the einsum reference: materialises [B, H, T, S] scores (and, for the
+             backward, probabilities); every backend.
+  blockwise  pure JAX online softmax over [512 x 512] query/key blocks with a custom VJP,
+             so neither the forward nor the backward holds more than one block of scores;
+             blocks above the causal diagonal are skipped. Every backend.
+  cudnn      `jax.nn.dot_product_attention(implementation="cudnn")`: NVIDIA GPUs,
+             bfloat16/float16.
+  splash     Pallas splash attention: TPU.
+  auto       cudnn on an NVIDIA GPU (16-bit compute), splash on TPU, otherwise blockwise
+             from `AUTO_BLOCKWISE_FROM` keys on (xla below, where it is faster on CPU).
+
+Keys/values come in the KV cache's layout (`transformer.KVCache`), so the prefill path
+needs no transpose of the cache. `AttentionMask` says who attends to whom in O(T + S)
+memory: causal by slot, within a segment (packed rows), never to padding.
+"""
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from exgrpo_jax import registry
+from exgrpo_jax.models import blockwise
+from exgrpo_jax.models import config as config_lib
+
+IMPLEMENTATIONS = registry.Registry("attention implementation")
+# auto on CPU: below this many key slots the einsum is faster (scripts/bench_attention.py).
+AUTO_BLOCKWISE_FROM = 1024
+
+_NEG_INF = float(jnp.finfo(jnp.float32).min)
+
+
+@flax.struct.dataclass
+class AttentionMask:
+  """Query t (at cache slot q_offset + t) attends to key slot s iff s <= q_offset + t,
+  kv_segment_BxS[s] != 0, and (when q_segment_BxT is given) q_segment[t] == kv_segment[s].
+
+  kv_segment_BxS: int32, 0 on padding / empty slots, else the key's segment (1 when
+    rows are not packed).
+  q_segment_BxT: int32 segment of each query for packed rows; None when every query may
+    see every valid key before it (padded rows, the KV cache).
+  q_offset: int32 scalar, the slot of query 0 (the cache index; 0 without a cache).
+  """
+
+  kv_segment_BxS: jax.Array
+  q_segment_BxT: jax.Array | None
+  q_offset: jax.Array
+
+  @classmethod
+  def padded(cls, valid_BxS, q_offset=0) -> "AttentionMask":
+    return cls(valid_BxS.astype(jnp.int32), None, jnp.asarray(q_offset, jnp.int32))
+
+  @classmethod
+  def packed(cls, segment_ids_BxT) -> "AttentionMask":
+    segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
+    return cls(segment_ids_BxT, segment_ids_BxT, jnp.zeros((), jnp.int32))
+
+  def block(self, t0, bq, s0, bk) -> jax.Array:
+    """The [B, bq, bk] boolean mask of queries [t0, t0+bq) over keys [s0, s0+bk)."""
+    kv_BxS = jax.lax.dynamic_slice_in_dim(self.kv_segment_BxS, s0, bk, axis=1)
+    q_slot_T = self.q_offset + t0 + jnp.arange(bq)
+    allowed = ((s0 + jnp.arange(bk))[None, :] <= q_slot_T[:, None])[None] \
+        & (kv_BxS != 0)[:, None, :]
+    if self.q_segment_BxT is not None:
+      q_BxT = jax.lax.dynamic_slice_in_dim(self.q_segment_BxT, t0, bq, axis=1)
+      allowed &= q_BxT[:, :, None] == kv_BxS[:, None, :]
+    return allowed
+
+  def dense(self, T: int) -> jax.Array:
+    return self.block(0, T, 0, self.kv_segment_BxS.shape[1])
+
+
+def einsum_attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask_BxTxS):
+  """Grouped-query attention with an explicit [B, T, S] mask (also the decode kernel)."""
+  # Query rows m = (group member g, position t) per KV head, so both attention matmuls
+  # are plain [M, Dh] x [Dh, S] and [M, S] x [S, Dh] matmuls batched over (b, k), which
+  # XLA:CPU's library dot runs directly; other arrangements made XLA transpose the
+  # cache (or, on every decode step, the o_proj weight) or use a slow generic dot.
+  dt = q_BxTxHxDh.dtype
+  B, T, H, Dh = q_BxTxHxDh.shape
+  K, S = k_BxKxDhxS.shape[1], k_BxKxDhxS.shape[3]
+  G = H // K
+  q_BxKxMxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(
+      B, K, G * T, Dh)
+  scores = jnp.einsum("bkmh,bkhs->bkms", q_BxKxMxDh, k_BxKxDhxS,
+                      preferred_element_type=jnp.float32) / math.sqrt(Dh)
+  scores = jnp.where(mask_BxTxS[:, None, None], scores.reshape(B, K, G, T, S), _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(B, K, G * T, S)
+  out_BxKxMxDh = jnp.einsum("bkms,bksh->bkmh", probs, v_BxKxSxDh)
+  return out_BxKxMxDh.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(
+      B, T, H, Dh)
+
+
+@IMPLEMENTATIONS.register("xla")
+def _xla(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
+  return einsum_attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh,
+                          mask.dense(q_BxTxHxDh.shape[1]))
+
+
+@IMPLEMENTATIONS.register("blockwise")
+def _blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
+  return blockwise.attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
+
+
+@IMPLEMENTATIONS.register("cudnn")
+def _cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
+  # cuDNN builds the padding/segment mask into a [B, 1, T, S] bias (2 bytes per entry,
+  # not per head); the causal part it skips block-wise itself when there is no cache.
+  T = q_BxTxHxDh.shape[1]
+  return jax.nn.dot_product_attention(
+      q_BxTxHxDh, k_BxKxDhxS.transpose(0, 3, 1, 2), v_BxKxSxDh.transpose(0, 2, 1, 3),
+      mask=mask.dense(T)[:, None], implementation="cudnn")
+
+
+@IMPLEMENTATIONS.register("splash")
+def _splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
+  from exgrpo_jax.models import splash  # pylint: disable=g-import-not-at-top
+  return splash.attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
+
+
+def _is_nvidia_gpu() -> bool:
+  device = jax.devices()[0]
+  return device.platform == "gpu" and "nvidia" in getattr(device, "device_kind", "").lower() \
+      or device.platform == "cuda"
+
+
+def supported(backend: str | None = None) -> tuple[str, ...]:
+  """The `model.attention` values this backend can run."""
+  backend = backend or jax.default_backend()
+  names = ["auto", "xla", "blockwise"]
+  if backend in ("gpu", "cuda") and _is_nvidia_gpu():
+    names.append("cudnn")
+  if backend == "tpu":
+    names.append("splash")
+  return tuple(names)
+
+
+def check_supported(name: str, backend: str | None = None) -> None:
+  """Raises ValueError (one line naming the alternatives) if `name` cannot run here."""
+  backend = backend or jax.default_backend()
+  if name not in config_lib.ATTENTIONS:
+    raise ValueError(f"model.attention={name!r} is unknown; choose one of {', '.join(config_lib.ATTENTIONS)}")
+  if name not in supported(backend):
+    raise ValueError(f"model.attention={name!r} cannot run on backend {backend!r}; "
+                     f"choose one of {', '.join(supported(backend))}")
+
+
+def resolve(name: str, dtype, num_keys: int, with_cache: bool = False) -> str:
+  """The concrete implementation `name` stands for on this backend and shape."""
+  check_supported(name)
+  if name != "auto":
+    return name
+  backend = jax.default_backend()
+  if "cudnn" in supported(backend) and jnp.dtype(dtype).itemsize == 2:
+    return "cudnn"
+  if "splash" in supported(backend) and not with_cache:
+    return "splash"
+  return "blockwise" if num_keys >= AUTO_BLOCKWISE_FROM else "xla"
+
+
+def attend(name, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
+  """Attention output [B, T, H, Dh] (dtype of q) with implementation `name`."""
+  impl = resolve(name, q_BxTxHxDh.dtype, k_BxKxDhxS.shape[3],
+                 with_cache=q_BxTxHxDh.shape[1] != k_BxKxDhxS.shape[3])
+  return IMPLEMENTATIONS.get(impl)(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
