@@ -18,7 +18,6 @@ from exgrpo_jax import losses
 from exgrpo_jax import models
 from exgrpo_jax.training import learner
 from exgrpo_jax.training import packing
-from exgrpo_jax.training import padding
 
 CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=(1,))
@@ -48,20 +47,13 @@ def _responses():
 RESPONSES = _responses()
 
 
-def _batch(responses, micro):
-  """The mini-batch as M micro-batches of `micro` rows (padding rows fill the last)."""
-  rows = -(-N // micro) * micro
-  tokens, valid, mask = padding.pack([r["prompt"] for r in responses],
-                                     [r["tokens"] for r in responses], P, R, 0)
-  old = np.zeros((N, R), np.float32)
-  for i, r in enumerate(responses):
-    old[i, :len(r["old_logp"])] = r["old_logp"]
-  arrays = [padding.pad_rows(tokens, rows), padding.pad_rows(valid, rows, False),
-            padding.pad_rows(mask, rows, False), padding.pad_rows(old, rows),
-            padding.pad_rows(np.array([r["adv"] for r in responses], np.float32), rows),
-            padding.pad_rows(np.array([r["is_replay"] for r in responses]), rows, False)]
-  return learner.TrainBatch(*[padding.to_micro_batches(a, micro) for a in arrays],
-                            prompt_len=P)
+def _batch(micro, aggregation="token_sum_norm", pack=True):
+  """The mini-batch as micro-batches of `micro` rows, shaped for one response per row."""
+  responses = [packing.Response(r["prompt"], r["tokens"], r["old_logp"], r["adv"],
+                                r["is_replay"]) for r in RESPONSES]
+  return packing.train_batch(responses, prompt_len=P, response_len=R, micro_batch=micro,
+                             num_micro=-(-N // micro), pad_id=0, aggregation=aggregation,
+                             norm_len=R, pack=pack)
 
 
 @functools.partial(jax.jit, static_argnames=("algo",))
@@ -113,19 +105,21 @@ def _reference(aggregation):
   return jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
 
 
-# 4: the last micro-batch has padding rows. Every micro-batch size shares the default
-# aggregation's compile budget; the others check one split against the reference.
-@pytest.mark.parametrize("aggregation,micro_sizes", [
-    ("token_sum_norm", (1, 2, 4, N)), ("token_mean", (4,)), ("seq_mean_token_mean", (4,))])
-def test_gradient_does_not_depend_on_micro_batch_size(aggregation, micro_sizes):
+# 4: the last micro-batch has padding rows. Every micro-batch size, packed and padded,
+# shares the default aggregation's compile budget; the others check one split each.
+@pytest.mark.parametrize("aggregation,splits", [
+    ("token_sum_norm", [(1, False), (2, False), (4, False), (N, False), (2, True),
+                        (N, True)]),
+    ("token_mean", [(4, True)]), ("seq_mean_token_mean", [(4, True)])])
+def test_gradient_does_not_depend_on_micro_batch_size_or_packing(aggregation, splits):
   assert set(losses.AGGREGATIONS) == {"token_sum_norm", "token_mean", "seq_mean_token_mean"}
   params = models.init_params(CFG, jax.random.key(0))
   (objective, (pg_loss, entropy)), expected = _reference(aggregation)
   scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(expected))
-  for micro in micro_sizes:
-    grads, metrics = _gradients(params, _batch(RESPONSES, micro), _algo(aggregation))
+  for micro, pack in splits:
+    grads, metrics = _gradients(params, _batch(micro, aggregation, pack), _algo(aggregation))
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
-      np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale, err_msg=f"{micro=}")
+      np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale, err_msg=f"{micro=} {pack=}")
     np.testing.assert_allclose(metrics["loss"], objective, rtol=1e-5)
     np.testing.assert_allclose(metrics["pg_loss"], pg_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(metrics["entropy"], entropy, rtol=1e-5)
@@ -139,7 +133,7 @@ def test_step_metrics_do_not_depend_on_micro_batch_size():
   for micro in (1, N):
     params = models.init_params(CFG, jax.random.key(0))
     _, _, metrics = learner.train_step(
-        params, tx.init(params), _batch(RESPONSES, micro), cfg=CFG,
+        params, tx.init(params), _batch(micro), cfg=CFG,
         algo=_algo("token_sum_norm"), optim=learner.frozen(optim), use_clip=True, chunk=5)
     results.append(jax.device_get(metrics))
   for name in results[0]:
