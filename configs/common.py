@@ -100,6 +100,7 @@ def base_config() -> ml_collections.ConfigDict:
       checkpoint_every=50,
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
+      packing=True,           # learner/scoring pack responses into rows (False: one per row)
       export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
   ))
 

@@ -26,6 +26,7 @@ from exgrpo_jax import sampling
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import experience
 from exgrpo_jax.training import learner
+from exgrpo_jax.training import packing
 from exgrpo_jax.training import padding
 from exgrpo_jax.training import run_log
 from exgrpo_jax.training import run_state
@@ -70,7 +71,7 @@ class Trainer:
         rule=cfg.algo.trajectory_selection, max_new_tokens=cfg.rollout.max_new_tokens,
         batch_size=cfg.optim.micro_batch_size, pad_id=st.pad_id,
         chunk=cfg.train.logprob_chunk, rng=rng,
-        need_current_logp=not cfg.algo.is_correction)
+        need_current_logp=not cfg.algo.is_correction, pack=cfg.train.packing)
     fresh_qids = [q.uid for q in st.stream.next_batch(batch_q - len(replays))]
     timings["select"] = time.time() - t
 
@@ -173,7 +174,8 @@ class Trainer:
     logp, _, mask = experience.score_rows(rows, cfg=st.model_cfg, params=st.params,
                                           max_new_tokens=cfg.rollout.max_new_tokens,
                                           batch_size=cfg.optim.micro_batch_size,
-                                          pad_id=st.pad_id, chunk=cfg.train.logprob_chunk)
+                                          pad_id=st.pad_id, chunk=cfg.train.logprob_chunk,
+                                          pack=cfg.train.packing)
     groups = [list(g) for g in groups]
     for (gi, mi), lp, m in zip(fresh, logp, mask):
       tokens, _, is_replay = groups[gi][mi]
@@ -183,31 +185,19 @@ class Trainer:
   def _update(self, groups, qids, adv_QxK, rng) -> dict:
     """Splits the B*K responses into mini-batches and takes one optimizer step each."""
     cfg, st = self.config, self.state
-    rows = [(st.prompt_ids(qids[gi]), m[0], m[1], adv_QxK[gi, mi], m[2])
-            for gi, g in enumerate(groups) for mi, m in enumerate(g)]
-    order = rng.permutation(len(rows))
-    prompt_len = padding.prompt_bucket(max(len(r[0]) for r in rows))
-    resp_len = cfg.rollout.max_new_tokens
+    responses = [packing.Response(st.prompt_ids(qids[gi]), m[0], m[1], adv_QxK[gi, mi], m[2])
+                 for gi, g in enumerate(groups) for mi, m in enumerate(g)]
+    order = rng.permutation(len(responses))
+    prompt_len = padding.prompt_bucket(max(len(r.prompt) for r in responses))
     micro = cfg.optim.micro_batch_size
-    per_mini = -(-len(rows) // cfg.optim.mini_batches)
-    per_mini = -(-per_mini // micro) * micro
+    per_mini = -(-len(responses) // cfg.optim.mini_batches)
     metrics = []
     for part in np.array_split(order, cfg.optim.mini_batches):
-      chosen = [rows[i] for i in part]
-      tokens, valid, mask = padding.pack([r[0] for r in chosen], [r[1] for r in chosen],
-                                         prompt_len, resp_len, st.pad_id)
-      old = np.zeros(mask.shape, np.float32)
-      for i, r in enumerate(chosen):
-        old[i, :len(r[2])] = r[2][:resp_len]
-      arrays = dict(
-          tokens_MxBxS=padding.pad_rows(tokens, per_mini, st.pad_id),
-          valid_MxBxS=padding.pad_rows(valid, per_mini, False),
-          mask_MxBxR=padding.pad_rows(mask, per_mini, False),
-          old_logp_MxBxR=padding.pad_rows(old, per_mini, 0.0),
-          adv_MxB=padding.pad_rows(np.array([r[3] for r in chosen], np.float32), per_mini),
-          is_replay_MxB=padding.pad_rows(np.array([r[4] for r in chosen]), per_mini, False))
-      batch = learner.TrainBatch(prompt_len=prompt_len, **{
-          name: padding.to_micro_batches(a, micro) for name, a in arrays.items()})
+      batch = packing.train_batch(
+          [responses[i] for i in part], prompt_len=prompt_len,
+          response_len=cfg.rollout.max_new_tokens, micro_batch=micro,
+          num_micro=-(-per_mini // micro), pad_id=st.pad_id, aggregation=cfg.algo.aggregation,
+          norm_len=cfg.algo.norm_len, pack=cfg.train.packing)
       st.params, st.opt_state, m = learner.train_step(
           st.params, st.opt_state, batch, cfg=st.model_cfg, algo=self._algo,
           optim=self._optim, use_clip=(not st.replay_started
