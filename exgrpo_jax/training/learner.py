@@ -86,8 +86,8 @@ def _score_fn(mesh):
 
 
 def _micro_loss(params, micro: TrainBatch, *, cfg, algo, use_clip, chunk, num_tokens):
-  """The micro-batch's share of the mini-batch objective (`num_tokens`: the mini-batch's
-  loss tokens)."""
+  """The micro-batch's share of the mini-batch objective. `micro` is a TrainBatch without
+  its M axis; `num_tokens` counts the mini-batch's loss tokens."""
   logp_BxR, entropy_BxR = response_stats(cfg, params, micro.tokens_MxBxT,
                                          micro.segment_ids_MxBxT, micro.index_MxBxR, chunk)
   # One token per row: a packed row's slots belong to different sequences, so the
