@@ -146,6 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
       checkpoint_every=50,
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
+      packing=True,           # learner/scoring pack responses into rows (False: one per row)
       export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
       loggers="jsonl,tensorboard",  # comma-separated: jsonl | tensorboard | wandb
       compile_cache=True,     # JAX's persistent compilation cache (exgrpo_jax.compile_cache)

@@ -10,6 +10,9 @@ Aggregations (by name):
   token_sum_norm:      sum over valid tokens / norm_len (the constant L_max; Dr.GRPO).
   token_mean:          sum over valid tokens / number of valid tokens.
   seq_mean_token_mean: mean over sequences (with a valid token) of their token means.
+A mini-batch split into micro-batches passes `weight_BxT`, each token's weight in the
+whole mini-batch's aggregation (training/packing.token_weights), so the micro-batches'
+losses sum exactly to the mini-batch's.
 
 Metrics are plain names; the trainer prefixes them (e.g. "actor/"): pg_loss, on_pg_loss
 and off_pg_loss (the fresh and replayed parts of pg_loss; they sum to it), pg_clipfrac and
@@ -32,8 +35,11 @@ POLICY_LOSSES = registry.Registry("policy loss")
 AGGREGATIONS = ("token_sum_norm", "token_mean", "seq_mean_token_mean")
 
 
-def aggregate(loss_BxT, mask_BxT, aggregation: str, norm_len: float):
-  """Reduces per-token losses (zero where not counted) with `mask_BxT`'s denominators."""
+def aggregate(loss_BxT, mask_BxT, aggregation: str, norm_len: float, weight_BxT=None):
+  """Reduces per-token losses (zero where not counted) with `mask_BxT`'s denominators,
+  or as `sum(weight_BxT * loss_BxT)` when per-token weights are given."""
+  if weight_BxT is not None:
+    return jnp.sum(loss_BxT * weight_BxT)
   mask_BxT = mask_BxT.astype(loss_BxT.dtype)
   if aggregation == "token_sum_norm":
     return loss_BxT.sum() / norm_len
@@ -59,7 +65,7 @@ def _masked_max(x, mask):
 def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, is_replay_BxT, *,
                 clip_eps: float = 0.2, use_clip: bool = True,
                 shaping_gamma: float | None = 0.1, norm_len: float = 8192.0,
-                aggregation: str = "token_sum_norm"):
+                aggregation: str = "token_sum_norm", weight_BxT=None):
   """The ExGRPO mixed policy loss; see the module docstring.
 
   Args:
@@ -73,6 +79,7 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, is_replay_BxT, *,
     shaping_gamma: gamma of f(w) = w / (w + gamma) on replayed tokens; None = clip them.
     norm_len: the constant denominator of `token_sum_norm`.
     aggregation: one of AGGREGATIONS.
+    weight_BxT: per-token weights replacing the aggregation's denominators (see above).
 
   Returns:
     (scalar loss, dict of scalar metrics).
@@ -94,8 +101,10 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, is_replay_BxT, *,
     off_loss_BxT = ppo_BxT
   else:
     off_loss_BxT = -adv_BxT * ratio_BxT / (ratio_BxT + shaping_gamma)
-  on_part = aggregate(jnp.where(on_BxT, on_loss_BxT, 0), mask_BxT, aggregation, norm_len)
-  off_part = aggregate(jnp.where(off_BxT, off_loss_BxT, 0), mask_BxT, aggregation, norm_len)
+  on_part = aggregate(jnp.where(on_BxT, on_loss_BxT, 0), mask_BxT, aggregation, norm_len,
+                      weight_BxT)
+  off_part = aggregate(jnp.where(off_BxT, off_loss_BxT, 0), mask_BxT, aggregation, norm_len,
+                       weight_BxT)
   loss = on_part + off_part
 
   metrics = dict(

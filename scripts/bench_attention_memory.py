@@ -22,7 +22,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -48,9 +47,10 @@ def abstract_batch(S: int) -> learner.TrainBatch:
   R = S - P
   sds = jax.ShapeDtypeStruct
   return learner.TrainBatch(
-      tokens_MxBxS=sds((1, 1, S), jnp.int32), valid_MxBxS=sds((1, 1, S), bool),
-      mask_MxBxR=sds((1, 1, R), bool), old_logp_MxBxR=sds((1, 1, R), jnp.float32),
-      adv_MxB=sds((1, 1), jnp.float32), is_replay_MxB=sds((1, 1), bool), prompt_len=P)
+      tokens_MxBxT=sds((1, 1, S), jnp.int32), segment_ids_MxBxT=sds((1, 1, S), jnp.int32),
+      index_MxBxR=sds((1, 1, R), jnp.int32), mask_MxBxR=sds((1, 1, R), bool),
+      old_logp_MxBxR=sds((1, 1, R), jnp.float32), adv_MxBxR=sds((1, 1, R), jnp.float32),
+      is_replay_MxBxR=sds((1, 1, R), bool), weight_MxBxR=sds((1, 1, R), jnp.float32))
 
 
 def _memory(lowered) -> dict:
@@ -79,12 +79,9 @@ def analyse(config, cfg, S: int) -> dict:
   step = learner._compiled_step(treedef, tuple(flat))  # pylint: disable=protected-access
   step_memory = _memory(step.lower(params, opt_state, batch,
                                    optim=learner.frozen(config.optim), **kw))
-  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), (
-      batch.tokens_MxBxS, batch.valid_MxBxS, batch.mask_MxBxR, batch.old_logp_MxBxR,
-      batch.adv_MxB, batch.is_replay_MxB))
-  micro_loss = learner._micro_loss  # pylint: disable=protected-access
+  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
   micro_grad = jax.value_and_grad(functools.partial(
-      micro_loss, prompt_len=batch.prompt_len, **kw), has_aux=True)
+      learner._micro_loss, num_tokens=1, **kw), has_aux=True)  # pylint: disable=protected-access
   micro_memory = _memory(jax.jit(micro_grad).lower(params, micro))
   return dict(S=S, step=step_memory, micro=micro_memory)
 

@@ -28,6 +28,7 @@ def _child(outdir: str) -> None:
   import ml_collections  # pylint: disable=g-import-not-at-top
   from exgrpo_jax import models, sampling, sharding  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import packing  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, REPO)
   from configs import common  # pylint: disable=g-import-not-at-top
 
@@ -45,14 +46,13 @@ def _child(outdir: str) -> None:
   rng = np.random.default_rng(0)
   M, B, P, R = 2, 8, 8, 16
   batches = []
-  for _ in range(STEPS):
-    valid = np.ones((M, B, P + R), bool)
-    valid[:, :, :rng.integers(0, P)] = False
-    mask = np.arange(R) < rng.integers(1, R, (M, B, 1))
-    batches.append(learner.TrainBatch(
-        rng.integers(2, 128, (M, B, P + R)).astype(np.int32), valid, mask,
-        rng.normal(-3, 0.5, (M, B, R)).astype(np.float32),
-        rng.normal(size=(M, B)).astype(np.float32), rng.random((M, B)) < 0.5, prompt_len=P))
+  for _ in range(STEPS):  # packed rows; the second micro-batch may be left empty
+    responses = [packing.Response(
+        rng.integers(2, 128, rng.integers(1, P + 1)), rng.integers(2, 128, rng.integers(1, R)),
+        rng.normal(-3, 0.5, R), rng.normal(), rng.random() < 0.5) for _ in range(M * B)]
+    batches.append(packing.train_batch(
+        responses, prompt_len=P, response_len=R, micro_batch=B, num_micro=M, pad_id=0,
+        aggregation=algo.aggregation, norm_len=algo.norm_len))
   # Larger weights than init's 0.02 give a peaked, prompt-dependent next-token
   # distribution, so greedy decoding is a sharp test.
   sample_params = jax.tree.map(lambda x: x * 20, models.init_params(cfg, jax.random.key(1)))
@@ -70,8 +70,10 @@ def _child(outdir: str) -> None:
       params, opt_state, metrics = learner.train_step(params, opt_state, batch, **static)
       losses.append(float(metrics["loss"]))
       compiles_after_first += (len(compiles) - before) * (i > 0)
-    tokens = np.asarray(learner.score_responses(cfg, params, batches[0].tokens_MxBxS[0],
-                                                batches[0].valid_MxBxS[0], P, 8)[0])
+    rows = batches[0]
+    tokens = np.asarray(learner.score_responses(cfg, params, rows.tokens_MxBxT[0],
+                                                rows.segment_ids_MxBxT[0],
+                                                rows.index_MxBxR[0], 8)[0])
     return params, opt_state, dict(losses=losses, compiles_after_first=compiles_after_first,
                                    score=tokens.tolist())
 

@@ -17,8 +17,7 @@ import pytest
 
 from exgrpo_jax.sampling import outputs
 from exgrpo_jax.training import config_check
-from exgrpo_jax.training import learner
-from exgrpo_jax.training import padding
+from exgrpo_jax.training import experience
 from exgrpo_jax.training import run_log
 from exgrpo_jax.training import trainer as trainer_lib
 
@@ -51,12 +50,14 @@ class ScriptedEngine:
         responses.append(resp[:sampling.max_new_tokens - 1] + [st.tokenizer.eos_token_id])
         prompts.append(ids)
         index.append(i)
-    p_len = padding.prompt_bucket(max(len(p) for p in prompts))
-    tokens, valid, _ = padding.pack(prompts, responses, p_len, sampling.max_new_tokens,
-                                    st.pad_id)
-    logp, _ = learner.score_responses(st.model_cfg, params, tokens, valid, p_len, 8)
+    logp, _, _ = experience.score_rows(
+        [(p, r, None) for p, r in zip(prompts, responses)], cfg=st.model_cfg, params=params,
+        max_new_tokens=sampling.max_new_tokens, batch_size=8, pad_id=st.pad_id, chunk=8)
     lengths = np.array([len(r) for r in responses])
-    return outputs.finalize(tokens[:, p_len:], np.asarray(logp), None, lengths,
+    tokens = np.full((len(responses), sampling.max_new_tokens), st.pad_id, np.int32)
+    for i, r in enumerate(responses):
+      tokens[i, :len(r)] = r
+    return outputs.finalize(tokens, logp, None, lengths,
                             np.ones(len(lengths), bool), np.array(index), st.tokenizer, (),
                             st.pad_id)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from exgrpo_jax.training import experience
 from exgrpo_jax.training import learner
+from exgrpo_jax.training import packing
 from exgrpo_jax.training import padding
 
 
@@ -30,6 +31,7 @@ class Actor:
     self.max_new_tokens = config.rollout.max_new_tokens
     self.chunk = config.train.logprob_chunk
     self.trajectory_selection = config.algo.trajectory_selection
+    self.pack = config.train.packing
 
   def choose_replays(self, params, buffer, prompts, rng) -> list[experience.Replay]:
     """The trajectory to replay for each of `prompts` (buffered questions), by rule."""
@@ -38,49 +40,35 @@ class Actor:
         buffer, list(by_uid), by_uid.__getitem__, cfg=self.model_cfg, params=params,
         rule=self.trajectory_selection, max_new_tokens=self.max_new_tokens,
         batch_size=self.micro_batch_size, pad_id=self.pad_id, chunk=self.chunk, rng=rng,
-        need_current_logp=not self.algo.is_correction)
+        need_current_logp=not self.algo.is_correction, pack=self.pack)
 
   def score(self, params, rows) -> list[np.ndarray]:
     """Temperature-1 log-probs of each (prompt ids, response tokens) row's tokens."""
     logp, _, mask = experience.score_rows(
         [(p, r, None) for p, r in rows], cfg=self.model_cfg, params=params,
         max_new_tokens=self.max_new_tokens, batch_size=self.micro_batch_size,
-        pad_id=self.pad_id, chunk=self.chunk)
+        pad_id=self.pad_id, chunk=self.chunk, pack=self.pack)
     return [lp[:int(m.sum())] for lp, m in zip(logp, mask)]
 
   def update(self, params, opt_state, groups, use_clip: bool, rng: np.random.Generator):
     """Splits the groups' B*K responses into mini-batches, one optimizer step each.
 
+    Each mini-batch is packed into rows (`train.packing`; `packing.train_batch`).
     Returns (params, opt_state, metrics averaged over the steps; `skipped` summed).
     """
-    rows = [(g.prompt_ids, r, adv) for g in groups
-            for r, adv in zip(g.responses, g.advantages)]
-    order = rng.permutation(len(rows))
-    prompt_len = padding.prompt_bucket(max(len(r[0]) for r in rows))
-    resp_len = self.max_new_tokens
+    responses = [packing.Response(g.prompt_ids, r.tokens, r.old_logp, adv, r.is_replay)
+                 for g in groups for r, adv in zip(g.responses, g.advantages)]
+    order = rng.permutation(len(responses))
+    prompt_len = padding.prompt_bucket(max(len(r.prompt) for r in responses))
     micro = self.micro_batch_size
-    per_mini = -(-len(rows) // self.mini_batches)
-    per_mini = -(-per_mini // micro) * micro
+    per_mini = -(-len(responses) // self.mini_batches)
     metrics = []
     for part in np.array_split(order, self.mini_batches):
-      chosen = [rows[i] for i in part]
-      tokens, valid, mask = padding.pack([p for p, _, _ in chosen],
-                                         [r.tokens for _, r, _ in chosen],
-                                         prompt_len, resp_len, self.pad_id)
-      old = np.zeros(mask.shape, np.float32)
-      for i, (_, r, _) in enumerate(chosen):
-        old[i, :len(r.old_logp)] = r.old_logp[:resp_len]
-      arrays = dict(
-          tokens_MxBxS=padding.pad_rows(tokens, per_mini, self.pad_id),
-          valid_MxBxS=padding.pad_rows(valid, per_mini, False),
-          mask_MxBxR=padding.pad_rows(mask, per_mini, False),
-          old_logp_MxBxR=padding.pad_rows(old, per_mini, 0.0),
-          adv_MxB=padding.pad_rows(np.array([a for _, _, a in chosen], np.float32),
-                                   per_mini),
-          is_replay_MxB=padding.pad_rows(np.array([r.is_replay for _, r, _ in chosen]),
-                                         per_mini, False))
-      batch = learner.TrainBatch(prompt_len=prompt_len, **{
-          name: padding.to_micro_batches(a, micro) for name, a in arrays.items()})
+      batch = packing.train_batch(
+          [responses[i] for i in part], prompt_len=prompt_len,
+          response_len=self.max_new_tokens, micro_batch=micro,
+          num_micro=-(-per_mini // micro), pad_id=self.pad_id,
+          aggregation=self.algo.aggregation, norm_len=self.algo.norm_len, pack=self.pack)
       params, opt_state, m = learner.train_step(
           params, opt_state, batch, cfg=self.model_cfg, algo=self.algo, optim=self.optim,
           use_clip=use_clip, chunk=self.chunk)

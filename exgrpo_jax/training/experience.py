@@ -4,9 +4,10 @@ SPEC section 2, steps 2-3 (n_exp itself is `phase.num_replayed`): for each quest
 sampled from the buffer (Gaussian over buckets), every stored correct trajectory is
 scored under the CURRENT policy (mean full-vocabulary entropy over its tokens, EOS
 included, temperature 1), and the configured rule picks one. A question with a single
-candidate needs no scoring (unless the no-IS ablation wants its current log-probs), and
-the scoring batches shrink to the next power of two of the rows left, so replay costs a
-forward pass only where there is a choice to make.
+candidate needs no scoring (unless the no-IS ablation wants its current log-probs), the
+scored trajectories are packed into rows, and the scoring batches shrink to the next
+power of two of the rows left, so replay costs a forward pass only where there is a
+choice to make, and only on real tokens.
 """
 
 import dataclasses
@@ -15,6 +16,7 @@ import numpy as np
 
 from exgrpo_jax.replay import selection
 from exgrpo_jax.training import learner
+from exgrpo_jax.training import packing
 from exgrpo_jax.training import padding
 
 
@@ -31,12 +33,13 @@ class Replay:
 
 def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: str,
                    max_new_tokens: int, batch_size: int, pad_id: int, chunk: int,
-                   rng: np.random.Generator, need_current_logp: bool = False
-                   ) -> list[Replay]:
+                   rng: np.random.Generator, need_current_logp: bool = False,
+                   pack: bool = True) -> list[Replay]:
   """Scores the candidates of each question and picks one per question by `rule`.
 
   `need_current_logp` scores every chosen trajectory (the no-IS ablation uses its
   current log-probs); otherwise single-candidate questions skip the forward pass.
+  `pack` packs the scored sequences into rows (`score_rows`).
   """
   rows, owners, counts = [], [], []
   for qi, qid in enumerate(question_ids):
@@ -51,7 +54,7 @@ def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: st
   if scored:
     logp_NxR, entropy_NxR, mask_NxR = score_rows(
         [rows[i] for i in scored], cfg=cfg, params=params, max_new_tokens=max_new_tokens,
-        batch_size=batch_size, pad_id=pad_id, chunk=chunk)
+        batch_size=batch_size, pad_id=pad_id, chunk=chunk, pack=pack)
   position = {row: j for j, row in enumerate(scored)}
   choose = selection.SELECTIONS.get(rule)
   replays = []
@@ -73,22 +76,29 @@ def _batch_size_for(remaining: int, batch_size: int) -> int:
   return min(batch_size, 1 << max(remaining - 1, 0).bit_length())
 
 
-def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk):
-  """Log-probs, entropies and masks [N, R] of (prompt, response) rows, in batches."""
-  prompt_len = padding.prompt_bucket(max(len(p) for p, _, _ in rows))
-  logps, ents, masks = [], [], []
+def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk, pack=True):
+  """Log-probs, entropies and masks [N, R] of (prompt, response, _) rows.
+
+  The sequences are packed (`packing`; one per row with pack=False) into rows scored
+  `batch_size` at a time.
+  """
+  prompts, responses = [p for p, _, _ in rows], [r for _, r, _ in rows]
+  layout = packing.place([len(p) for p in prompts], [len(r) for r in responses],
+                         padding.prompt_bucket(max(map(len, prompts))), max_new_tokens,
+                         pack)
+  # Room for the last batch, which rounds up to a power of two.
+  packed = packing.rows(layout, prompts, responses, layout.num_rows + batch_size, pad_id)
+  logps, ents = [], []
   start = 0
-  while start < len(rows):
-    size = _batch_size_for(len(rows) - start, batch_size)
-    chunk_rows = rows[start:start + size]
-    chunk_rows += [chunk_rows[-1]] * (size - len(chunk_rows))  # fixed shape
+  while start < layout.num_rows:
+    size = _batch_size_for(layout.num_rows - start, batch_size)
+    batch = slice(start, start + size)
     start += size
-    tokens, valid, mask = padding.pack([p for p, _, _ in chunk_rows],
-                                       [r for _, r, _ in chunk_rows], prompt_len,
-                                       max_new_tokens, pad_id)
-    logp, ent = learner.score_responses(cfg, params, tokens, valid, prompt_len, chunk)
+    logp, ent = learner.score_responses(cfg, params, packed.tokens_NxT[batch],
+                                        packed.segment_ids_NxT[batch],
+                                        packed.index_NxR[batch], chunk)
     logps.append(np.asarray(logp))
     ents.append(np.asarray(ent))
-    masks.append(mask)
-  n = len(rows)
-  return (np.concatenate(logps)[:n], np.concatenate(ents)[:n], np.concatenate(masks)[:n])
+  mask = np.arange(max_new_tokens) < layout.length_S[:, None]
+  return (packing.from_slots(layout, np.concatenate(logps)),
+          packing.from_slots(layout, np.concatenate(ents)), mask)

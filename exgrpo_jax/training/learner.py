@@ -1,14 +1,19 @@
 """The learner: one jitted, donated optimizer step over a mini-batch of responses.
 
-A mini-batch arrives as M micro-batches of Bm sequences, each `prompt (left-padded to P)
-+ response (right-padded to R)`. The step scans over micro-batches accumulating
-gradients of
+A mini-batch arrives as M micro-batches of Bm rows of T tokens, each row packing whole
+sequences `prompt + response` (`packing`: segment ids, and R scored slots per row that
+say which hidden state predicts which response token). The step scans over
+micro-batches, skipping empty ones, accumulating gradients of the mini-batch objective
 
   policy_loss(logp, old_logp, adv, mask, is_replay) - entropy_coeff * mean entropy
 
-(log-probs and entropies from hidden states, chunked so [B, T, V] float32 logits never
-exist at once), clips the global gradient norm, and applies AdamW unless the norm is
-non-finite or above `skip_grad_norm` (then the step is skipped and counted).
+where every token carries its weight in the whole mini-batch (the aggregation's and the
+entropy mean's denominators are the mini-batch's, `packing.token_weights`), so the summed
+gradient, and the logged losses, do not depend on the micro-batch size or the packing.
+Log-probs and entropies come from the scored slots' hidden states, chunked so
+[B, R, V] float32 logits never exist at once. The step clips the global gradient norm
+and applies AdamW unless the norm is non-finite or above `skip_grad_norm` (then the
+step is skipped and counted).
 """
 
 import functools
@@ -23,18 +28,25 @@ from exgrpo_jax import losses
 from exgrpo_jax import models
 from exgrpo_jax import sharding
 
+# Micro-batch metrics that add up to the mini-batch's (losses already carry mini-batch
+# weights, token counts); "*_max" metrics take the maximum, the rest are token means,
+# weighted by the replayed ("off_*") or fresh tokens they average over.
+_SUMMED = ("loss", "pg_loss", "on_pg_loss", "off_pg_loss", "entropy", "on_tokens",
+           "off_tokens")
+
 
 @flax.struct.dataclass
 class TrainBatch:
-  """M micro-batches of Bm sequences; S = P + R tokens each."""
+  """M micro-batches of Bm packed rows of T tokens, with R scored slots per row."""
 
-  tokens_MxBxS: jax.Array       # int32
-  valid_MxBxS: jax.Array        # bool: real prompt and response tokens
-  mask_MxBxR: jax.Array         # bool: response tokens that enter the loss
+  tokens_MxBxT: jax.Array       # int32
+  segment_ids_MxBxT: jax.Array  # int32: 0 on padding, 1, 2, ... per sequence in a row
+  index_MxBxR: jax.Array        # int32: the column whose hidden state scores the slot
+  mask_MxBxR: jax.Array         # bool: slots holding a response token (the loss's)
   old_logp_MxBxR: jax.Array     # float32: pi_old (fresh) or pi_behaviour (replayed)
-  adv_MxB: jax.Array            # float32
-  is_replay_MxB: jax.Array      # bool
-  prompt_len: int = flax.struct.field(pytree_node=False, default=0)
+  adv_MxBxR: jax.Array          # float32: the slot's sequence's advantage
+  is_replay_MxBxR: jax.Array    # bool
+  weight_MxBxR: jax.Array       # float32: the slot's weight in the policy loss
 
 
 def make_optimizer(optim) -> optax.GradientTransformation:
@@ -44,48 +56,92 @@ def make_optimizer(optim) -> optax.GradientTransformation:
                   weight_decay=optim.weight_decay))
 
 
-def response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len: int, chunk: int):
-  """Per-response-token log-probs and entropies [B, R] at temperature 1."""
-  hidden_BxSxD, _ = models.apply(cfg, params, tokens_BxS, valid_BxS, return_hidden=True)
-  # Position t's hidden state predicts token t + 1.
-  hidden_BxRxD = hidden_BxSxD[:, prompt_len - 1:-1]
-  targets_BxR = tokens_BxS[:, prompt_len:]
+def response_stats(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int):
+  """Log-probs and entropies [B, R] (temperature 1) of the tokens the slots score."""
+  hidden_BxTxD, _ = models.apply(cfg, params, tokens_BxT, return_hidden=True,
+                                 segment_ids_BxT=segment_ids_BxT)
+  hidden_BxRxD = jnp.take_along_axis(hidden_BxTxD, index_BxR[..., None], axis=1)
+  targets_BxR = jnp.take_along_axis(tokens_BxT, index_BxR + 1, axis=1)
   return logprobs.token_logprobs_and_entropy(
       hidden_BxRxD, models.unembedding(cfg, params), targets_BxR, chunk_size=chunk)
 
 
-def score_responses(cfg, params, tokens_BxS, valid_BxS, prompt_len: int, chunk: int):
+def score_responses(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int):
   """`response_stats` without gradients (old log-probs, trajectory selection).
 
   On a mesh (sharded params) the rows are split over the batch axes; the results are
   replicated, so every process can read them.
   """
+  rows = (tokens_BxT, segment_ids_BxT, index_BxR)
   mesh = sharding.mesh_of(params)
   if mesh is not None:
-    tokens_BxS, valid_BxS = sharding.put_batch((tokens_BxS, valid_BxS), mesh)
-  return _score_fn(mesh)(cfg, params, tokens_BxS, valid_BxS, prompt_len, chunk)
+    rows = sharding.put_batch(rows, mesh)
+  return _score_fn(mesh)(cfg, params, *rows, chunk)
 
 
 @functools.lru_cache(maxsize=None)
 def _score_fn(mesh):
   out = {} if mesh is None else {"out_shardings": sharding.replicated(mesh)}
-  return jax.jit(response_stats, static_argnums=(0, 4, 5), **out)
+  return jax.jit(response_stats, static_argnums=(0, 5), **out)
 
 
-def _micro_loss(params, micro, *, cfg, algo, use_clip, prompt_len, chunk):
-  tokens_BxS, valid_BxS, mask_BxR, old_logp_BxR, adv_B, is_replay_B = micro
-  logp_BxR, entropy_BxR = response_stats(cfg, params, tokens_BxS, valid_BxS, prompt_len,
-                                         chunk)
-  is_replay_BxR = jnp.broadcast_to(is_replay_B[:, None], mask_BxR.shape) & mask_BxR
+def _micro_loss(params, micro: TrainBatch, *, cfg, algo, use_clip, chunk, num_tokens):
+  """The micro-batch's share of the mini-batch objective. `micro` is a TrainBatch without
+  its M axis; `num_tokens` counts the mini-batch's loss tokens."""
+  logp_BxR, entropy_BxR = response_stats(cfg, params, micro.tokens_MxBxT,
+                                         micro.segment_ids_MxBxT, micro.index_MxBxR, chunk)
+  # One token per row: a packed row's slots belong to different sequences, so the
+  # advantage comes per token.
+  column = lambda x_BxR: x_BxR.reshape(-1, 1)
   loss_fn = losses.POLICY_LOSSES.get(algo.loss)
   pg_loss, metrics = loss_fn(
-      logp_BxR, old_logp_BxR, adv_B, mask_BxR, is_replay_BxR, clip_eps=algo.clip_eps,
-      use_clip=use_clip, shaping_gamma=algo.shaping_gamma, norm_len=algo.norm_len,
-      aggregation=algo.aggregation)
-  n_tokens = jnp.maximum(mask_BxR.sum(), 1)
-  entropy = jnp.sum(entropy_BxR * mask_BxR) / n_tokens
-  metrics = dict(metrics, entropy=entropy, pg_loss=pg_loss)
-  return pg_loss - algo.entropy_coeff * entropy, metrics
+      column(logp_BxR), column(micro.old_logp_MxBxR), micro.adv_MxBxR.reshape(-1),
+      column(micro.mask_MxBxR), column(micro.is_replay_MxBxR & micro.mask_MxBxR),
+      clip_eps=algo.clip_eps, use_clip=use_clip, shaping_gamma=algo.shaping_gamma,
+      norm_len=algo.norm_len, aggregation=algo.aggregation,
+      weight_BxT=column(micro.weight_MxBxR))
+  entropy = jnp.sum(entropy_BxR * micro.mask_MxBxR) / num_tokens
+  loss = pg_loss - algo.entropy_coeff * entropy
+  return loss, dict(metrics, entropy=entropy, pg_loss=pg_loss, loss=loss)
+
+
+def combine_metrics(metrics_M: dict) -> dict:
+  """The mini-batch's metrics from its micro-batches' (each [M]); see `_SUMMED`."""
+  combined = {}
+  for name, value_M in metrics_M.items():
+    if name in _SUMMED:
+      combined[name] = value_M.sum()
+    elif name.endswith("_max"):
+      combined[name] = value_M.max()
+    else:
+      tokens_M = metrics_M["off_tokens" if name.startswith("off_") else "on_tokens"]
+      combined[name] = (value_M * tokens_M).sum() / jnp.maximum(tokens_M.sum(), 1)
+  return combined
+
+
+def accumulate_gradients(params, batch: TrainBatch, *, cfg, algo, use_clip, chunk,
+                         param_shardings=None):
+  """Gradients of the mini-batch objective and its metrics, one micro-batch at a time."""
+  grad_fn = jax.grad(functools.partial(
+      _micro_loss, cfg=cfg, algo=algo, use_clip=use_clip, chunk=chunk,
+      num_tokens=jnp.maximum(batch.mask_MxBxR.sum(), 1)), has_aux=True)
+  # Gradients are accumulated in the parameters' sharding (under FSDP, 1/n of them per
+  # device); left to propagation, the zeros could come out replicated.
+  constrain = (functools.partial(jax.lax.with_sharding_constraint, shardings=param_shardings)
+               if param_shardings is not None else lambda tree: tree)
+  micro_0 = jax.tree.map(lambda x: x[0], batch)
+  nothing = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, micro_0))
+
+  def accumulate(grads_acc, micro):
+    # Packed mini-batches fill fewer micro-batches than the padded worst case they are
+    # shaped for; the empty ones cost nothing.
+    grads, metrics = jax.lax.cond(micro.mask_MxBxR.any(), grad_fn, lambda *_: nothing,
+                                  params, micro)
+    return constrain(jax.tree.map(jnp.add, grads_acc, grads)), metrics
+
+  zeros = constrain(jax.tree.map(jnp.zeros_like, params))
+  grads, metrics_M = jax.lax.scan(accumulate, zeros, batch)
+  return grads, combine_metrics(metrics_M)
 
 
 def train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip: bool,
@@ -120,31 +176,15 @@ def _compiled_step(treedef, flat_shardings):
 
 def _train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip, chunk,
                 param_shardings):
-  grad_fn = jax.value_and_grad(functools.partial(
-      _micro_loss, cfg=cfg, algo=algo, use_clip=use_clip, prompt_len=batch.prompt_len,
-      chunk=chunk), has_aux=True)
-  # Gradients are accumulated in the parameters' sharding (under FSDP, 1/n of them per
-  # device); left to propagation, the zeros could come out replicated.
-  constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=param_shardings)
-
-  def accumulate(carry, micro):
-    grads_acc, loss_acc = carry
-    (loss, metrics), grads = grad_fn(params, micro)
-    grads_acc = constrain(jax.tree.map(jnp.add, grads_acc, grads))
-    return (grads_acc, loss_acc + loss), metrics
-
-  micro_batches = (batch.tokens_MxBxS, batch.valid_MxBxS, batch.mask_MxBxR,
-                   batch.old_logp_MxBxR, batch.adv_MxB, batch.is_replay_MxB)
-  zeros = constrain(jax.tree.map(jnp.zeros_like, params))
-  (grads, loss), metrics_M = jax.lax.scan(accumulate, (zeros, jnp.zeros(())), micro_batches)
+  grads, metrics = accumulate_gradients(params, batch, cfg=cfg, algo=algo, use_clip=use_clip,
+                                        chunk=chunk, param_shardings=param_shardings)
   grad_norm = optax.global_norm(grads)
   skip = ~jnp.isfinite(grad_norm) | (grad_norm > optim.skip_grad_norm)
   tx = make_optimizer(optim)
   updates, new_opt_state = tx.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   keep_old = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
-  metrics = {k: v.mean() for k, v in metrics_M.items()}
-  metrics.update(loss=loss, grad_norm=grad_norm, skipped=skip.astype(jnp.float32))
+  metrics.update(grad_norm=grad_norm, skipped=skip.astype(jnp.float32))
   return keep_old(params, new_params), keep_old(opt_state, new_opt_state), metrics
 
 

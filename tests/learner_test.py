@@ -1,0 +1,153 @@
+"""The learner's optimizer step computes SPEC section 2, step 8 over the whole mini-batch.
+
+The gradient (and the logged losses) of one step must not depend on how the mini-batch
+is split into micro-batches; the reference is the objective written out directly: each
+response run alone through the model with full logits, its per-token SPEC loss, the
+aggregation over the whole mini-batch and the entropy bonus's mean over all its tokens.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from exgrpo_jax import losses
+from exgrpo_jax import models
+from exgrpo_jax.training import learner
+from exgrpo_jax.training import packing
+
+CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=(1,))
+N, P, R = 6, 8, 12
+GAMMA, EPS = 0.1, 0.2
+# Large enough that a wrongly scaled entropy bonus moves the gradient far beyond round-off.
+ENTROPY_COEFF = 0.1
+
+
+def _algo(aggregation):
+  return learner.frozen(ml_collections.ConfigDict(dict(
+      loss="exgrpo", clip_eps=EPS, shaping_gamma=GAMMA, norm_len=R,
+      aggregation=aggregation, entropy_coeff=ENTROPY_COEFF)))
+
+
+def _responses():
+  rng = np.random.default_rng(0)
+  out = []
+  for i in range(N):
+    n = R if i == 0 else int(rng.integers(1, R))  # one response at the cap
+    out.append(dict(prompt=rng.integers(2, 96, int(rng.integers(1, P + 1))),
+                    tokens=rng.integers(2, 96, n), old_logp=rng.normal(-4.5, 0.3, n),
+                    adv=float(rng.normal()), is_replay=bool(i % 3 == 2)))
+  return out
+
+
+RESPONSES = _responses()
+
+
+def _batch(micro, aggregation="token_sum_norm", pack=True):
+  """The mini-batch as micro-batches of `micro` rows, shaped for one response per row."""
+  responses = [packing.Response(r["prompt"], r["tokens"], r["old_logp"], r["adv"],
+                                r["is_replay"]) for r in RESPONSES]
+  return packing.train_batch(responses, prompt_len=P, response_len=R, micro_batch=micro,
+                             num_micro=-(-N // micro), pad_id=0, aggregation=aggregation,
+                             norm_len=R, pack=pack)
+
+
+@functools.partial(jax.jit, static_argnames=("algo",))
+def _gradients(params, batch, algo):
+  return learner.accumulate_gradients(params, batch, cfg=CFG, algo=algo, use_clip=True,
+                                      chunk=5)
+
+
+def _reference(aggregation):
+  """(objective, (pg_loss, entropy)) of SPEC step 8 over the mini-batch, and its gradient.
+
+  Each response sits at the start of its own row, right-padded with token 0: causal
+  attention keeps the padding out of the response's logits, so no mask is needed.
+  """
+  tokens_NxL = np.zeros((N, P + R), np.int32)
+  row, col, replay, adv, old = [], [], [], [], []
+  for i, r in enumerate(RESPONSES):
+    ids = np.concatenate([r["prompt"], r["tokens"]])
+    tokens_NxL[i, :len(ids)] = ids
+    n = len(r["tokens"])
+    row += [i] * n
+    col += list(range(len(r["prompt"]), len(ids)))  # the scored tokens' columns
+    replay += [r["is_replay"]] * n
+    adv += [r["adv"]] * n
+    old += list(r["old_logp"])
+  row, col, adv, old = map(np.asarray, (row, col, adv, old))
+  lengths = [len(r["tokens"]) for r in RESPONSES]
+  seq_of_token = np.repeat(np.arange(N), lengths)
+
+  def objective(params):
+    logits_NxLxV = models.apply(CFG, params, jnp.asarray(tokens_NxL))[0]
+    logp_all_KxV = jax.nn.log_softmax(logits_NxLxV[row, col - 1])
+    logp_K = logp_all_KxV[np.arange(len(row)), tokens_NxL[row, col]]
+    entropy_K = -jnp.sum(jnp.exp(logp_all_KxV) * logp_all_KxV, axis=1)
+    ratio_K = jnp.exp(logp_K - old)
+    shaped_K = -adv * ratio_K / (ratio_K + GAMMA)
+    clipped_K = jnp.maximum(-adv * ratio_K, -adv * jnp.clip(ratio_K, 1 - EPS, 1 + EPS))
+    loss_K = jnp.where(np.asarray(replay), shaped_K, clipped_K)
+    if aggregation == "token_sum_norm":
+      pg_loss = loss_K.sum() / R
+    elif aggregation == "token_mean":
+      pg_loss = loss_K.mean()
+    else:
+      pg_loss = (jax.ops.segment_sum(loss_K, seq_of_token, N) / np.asarray(lengths)).mean()
+    entropy = entropy_K.mean()
+    return pg_loss - ENTROPY_COEFF * entropy, (pg_loss, entropy)
+
+  params = models.init_params(CFG, jax.random.key(0))
+  return jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+
+
+# 4: the last micro-batch has padding rows. Every micro-batch size, packed and padded,
+# shares the default aggregation's compile budget; the others check one split each.
+@pytest.mark.parametrize("aggregation,splits", [
+    ("token_sum_norm", [(1, False), (2, False), (4, False), (N, False), (2, True),
+                        (N, True)]),
+    ("token_mean", [(4, True)]), ("seq_mean_token_mean", [(4, True)])])
+def test_gradient_does_not_depend_on_micro_batch_size_or_packing(aggregation, splits):
+  assert set(losses.AGGREGATIONS) == {"token_sum_norm", "token_mean", "seq_mean_token_mean"}
+  params = models.init_params(CFG, jax.random.key(0))
+  (objective, (pg_loss, entropy)), expected = _reference(aggregation)
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(expected))
+  for micro, pack in splits:
+    grads, metrics = _gradients(params, _batch(micro, aggregation, pack), _algo(aggregation))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale, err_msg=f"{micro=} {pack=}")
+    np.testing.assert_allclose(metrics["loss"], objective, rtol=1e-5)
+    np.testing.assert_allclose(metrics["pg_loss"], pg_loss, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["entropy"], entropy, rtol=1e-5)
+
+
+def test_step_metrics_do_not_depend_on_micro_batch_size():
+  optim = ml_collections.ConfigDict(dict(lr=1e-3, weight_decay=0.01, b1=0.9, b2=0.999,
+                                         eps=1e-8, grad_clip=1.0, skip_grad_norm=500.0))
+  tx = learner.make_optimizer(optim)
+  results = []
+  for micro in (1, N):
+    params = models.init_params(CFG, jax.random.key(0))
+    _, _, metrics = learner.train_step(
+        params, tx.init(params), _batch(micro), cfg=CFG,
+        algo=_algo("token_sum_norm"), optim=learner.frozen(optim), use_clip=True, chunk=5)
+    results.append(jax.device_get(metrics))
+  for name in results[0]:
+    np.testing.assert_allclose(results[0][name], results[1][name], rtol=2e-5, atol=1e-7,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("aggregation", losses.AGGREGATIONS)
+def test_token_weights_reproduce_the_aggregation(aggregation):
+  rng = np.random.default_rng(1)
+  loss_NxR = rng.normal(size=(N, R)).astype(np.float32)
+  mask_NxR = rng.random((N, R)) < 0.6
+  mask_NxR[3] = False  # a row without loss tokens (a padding row)
+  loss_NxR = np.where(mask_NxR, loss_NxR, 0)
+  weight_NxR = packing.token_weights(mask_NxR, aggregation, 16.0)
+  np.testing.assert_allclose(np.sum(weight_NxR * loss_NxR),
+                             losses.aggregate(loss_NxR, mask_NxR, aggregation, 16.0), rtol=1e-6)
