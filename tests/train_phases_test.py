@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from exgrpo_jax.replay import buckets
-from exgrpo_jax.training import learner
-from exgrpo_jax.training import padding
+from exgrpo_jax.training import experience
 from exgrpo_jax.training import phase
 from exgrpo_jax.training import trainer as trainer_lib
 from tests import trainer_test
@@ -70,11 +69,12 @@ def _trainer(tmp_path, engine=None, **overrides):
 
 
 def _teacher_forced(trainer, params, prompt_ids, tokens_list):
+  """Temperature-1 log-probs of each response, one sequence per row (no packing)."""
   st = trainer.state
-  p_len = padding.prompt_bucket(max(len(p) for p in prompt_ids))
-  tokens, valid, mask = padding.pack(prompt_ids, tokens_list, p_len,
-                                     trainer.config.rollout.max_new_tokens, st.pad_id)
-  logp, _ = learner.score_responses(st.model_cfg, params, tokens, valid, p_len, 8)
+  logp, _, mask = experience.score_rows(
+      [(p, t, None) for p, t in zip(prompt_ids, tokens_list)], cfg=st.model_cfg,
+      params=params, max_new_tokens=trainer.config.rollout.max_new_tokens, batch_size=8,
+      pad_id=st.pad_id, chunk=8, pack=False)
   return [np.asarray(lp)[:int(m.sum())] for lp, m in zip(logp, mask)]
 
 
