@@ -11,8 +11,8 @@ accuracy measures questions never trained on. Both splits are pure functions of 
 settings (uid = index within the split).
 
 Rewards are graded in worker processes from text alone, so a question's `ground_truth`
-is JSON naming its entry (dataset, options, seed, size, index; plus the answer, for
-logs). The `reasoning_gym` reward regenerates that entry (cached per worker) and returns
+is JSON naming its entry (the answer first, for logs; then dataset, options, seed, size,
+index). The `reasoning_gym` reward regenerates that entry (cached per worker) and returns
 the dataset's own `score_answer(answer, entry)` (some datasets give partial credit in
 [0, 1]) for the last <answer>...</answer> of the response, the format `instruction` asks
 for; a response without one has no answer.
@@ -108,8 +108,8 @@ def make_questions(settings: GymSettings, split: str,
   options = json.loads(settings.options)
   questions = []
   for uid, (index, entry) in enumerate(entries):
-    truth = json.dumps(dict(dataset=settings.dataset, options=options, seed=settings.seed,
-                            size=size, index=index, answer=str(entry["answer"])))
+    truth = json.dumps(dict(answer=str(entry["answer"]), dataset=settings.dataset,
+                            options=options, seed=settings.seed, size=size, index=index))
     questions.append(questions_lib.Question(
         uid, ({"role": "user", "content": f"{entry['question']}\n\n{settings.instruction}"},),
         truth, f"reasoning_gym:{settings.dataset}", REWARD, {"split": split, "index": index}))
