@@ -14,6 +14,7 @@ import dataclasses
 import ml_collections
 
 from exgrpo_jax.data import arithmetic
+from exgrpo_jax.data import rgym
 
 # name -> (overrides "section.key": value, what the variant is).
 VARIANTS = {
@@ -57,7 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
   # ~/.cache/exgrpo_jax/data (where `python -m exgrpo_jax.prepare_data` writes).
   c.data = ml_collections.ConfigDict(dict(
       dir="",
-      source="file",          # file (train_path) | arithmetic (generated, no files)
+      source="file",          # file (train_path) | arithmetic (generated, no files) | reasoning_gym
       train_path="",
       template="chat",        # chat | exgrpo_think | plain
       max_prompt_tokens=1024,
@@ -66,6 +67,8 @@ def base_config() -> ml_collections.ConfigDict:
       # The arithmetic source's size and difficulty (exgrpo_jax.data.arithmetic).
       arithmetic=ml_collections.ConfigDict(
           dataclasses.asdict(arithmetic.ArithmeticSettings())),
+      # The reasoning_gym source's dataset and sizes (exgrpo_jax.data.rgym).
+      reasoning_gym=ml_collections.ConfigDict(dataclasses.asdict(rgym.GymSettings())),
   ))
 
   c.rollout = ml_collections.ConfigDict(dict(
@@ -153,7 +156,7 @@ def base_config() -> ml_collections.ConfigDict:
   ))
 
   c.eval = ml_collections.ConfigDict(dict(
-      source="file",          # file (path) | arithmetic (the held-out split)
+      source="file",          # file (path) | arithmetic | reasoning_gym (held-out splits)
       path="",
       every=10,               # 0 = never
       limit=0,

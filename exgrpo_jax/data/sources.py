@@ -6,6 +6,8 @@
   file        `data.train_path` / `eval.path` (parquet or JSONL, `data.questions`)
   arithmetic  generated integer arithmetic (`data.arithmetic`), no files; the eval split
               is held out from training
+  reasoning_gym  a `reasoning_gym` dataset (`data.reasoning_gym`, the optional extra),
+              scored by its own verifier; the eval split is held out from training
 
 A source is a function (config, split) -> LoadResult; register more with
 `@SOURCES.register(name)`. `data.limit` / `eval.limit` keep the first N questions.
@@ -16,6 +18,7 @@ import dataclasses
 from exgrpo_jax import registry
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import questions as questions_lib
+from exgrpo_jax.data import rgym
 
 SOURCES = registry.Registry("data source")
 SPLITS = ("train", "eval")
@@ -59,3 +62,11 @@ def from_arithmetic(config, split: str) -> questions_lib.LoadResult:
   if config.reward.name:
     questions = [dataclasses.replace(q, reward_name=config.reward.name) for q in questions]
   return questions_lib.LoadResult(f"arithmetic:{split}", questions, [])
+
+
+@SOURCES.register("reasoning_gym")
+def from_reasoning_gym(config, split: str) -> questions_lib.LoadResult:
+  settings = rgym.GymSettings(**config.data.reasoning_gym.to_dict())
+  limit = config.data.limit if split == "train" else config.eval.limit
+  return questions_lib.LoadResult(f"reasoning_gym:{settings.dataset}:{split}",
+                                  rgym.make_questions(settings, split, limit), [])

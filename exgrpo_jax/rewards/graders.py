@@ -7,7 +7,8 @@ without "</think>" scores 0 (`format`) and only the text after the first "</thin
 checked (the reference's `response.split("</think>")[1]`).
 
 Nothing from model output is evaluated as Python: Math-Verify parses LaTeX with its own
-grammar and hands sympy only digit/operator strings; the other rewards use regexes.
+grammar and hands sympy only digit/operator strings; the other rewards use regexes, and
+`reasoning_gym` calls that package's own verifiers (exgrpo_jax/data/rgym.py).
 Math-Verify's own signal-based timeouts are switched off because `pool.py` enforces a
 per-item deadline itself (both use SIGALRM, and Math-Verify would cancel ours).
 """
@@ -189,3 +190,10 @@ def gsm8k_reward(solution: str, ground_truth: str) -> float | None:
   if number is None:
     return None
   return float(_to_fraction(number) == _to_fraction(ground_truth.replace("$", "").strip()))
+
+
+@REWARDS.register("reasoning_gym")
+def reasoning_gym_reward(solution: str, ground_truth: str) -> float | None:
+  """A reasoning_gym dataset's own verifier (ground truth: JSON naming the entry)."""
+  from exgrpo_jax.data import rgym  # pylint: disable=import-outside-toplevel
+  return rgym.score(solution, ground_truth)

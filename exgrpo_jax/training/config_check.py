@@ -30,7 +30,7 @@ from exgrpo_jax.training import run_log
 
 # What a checkpoint's buffer, params and question stream were built for (prefixes).
 RESUME_FIXED = ("rollout.k", "model.path", "model.random_init", "model.arch.",
-                "data.source", "data.arithmetic.", "data.train_path", "data.limit",
+                "data.source", "data.arithmetic.", "data.reasoning_gym.", "data.train_path", "data.limit",
                 "data.max_prompt_tokens")
 
 # The model config also accepts float16; training is supported in these two.
@@ -97,6 +97,11 @@ def check(c) -> None:
       data_sources.from_arithmetic(c, "train")
   except (TypeError, ValueError) as e:
     _require(False, "data.arithmetic", c.data.arithmetic.to_dict(), str(e))
+  try:
+    if "reasoning_gym" in (c.data.source, c.eval.source):
+      data_sources.from_reasoning_gym(c, "train")
+  except (TypeError, ValueError) as e:
+    _require(False, "data.reasoning_gym", c.data.reasoning_gym.to_dict(), str(e))
   _known("data.template", c.data.template, templates.TEMPLATES.names())
   _range(c, "data.max_prompt_tokens", 0, low_open=True)
   _range(c, "data.limit", 0)
