@@ -194,6 +194,15 @@ def parse_arg(arg: str | None) -> tuple[str, bool]:
   return (rest[0] if rest else "exgrpo"), runlocal
 
 
+def local_variant(arg: str | None, config_file: str) -> str:
+  """The variant of a config that already runs locally: 'runlocal' is refused by name."""
+  variant, runlocal = parse_arg(arg)
+  if runlocal:
+    raise ValueError(f"{config_file}: 'runlocal' shrinks the GPU configs; this config "
+                     "already runs locally (give a variant alone)")
+  return variant
+
+
 def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_start: float,
                  mesh_shape=(-1, 1), max_rows=0) -> ml_collections.ConfigDict:
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).

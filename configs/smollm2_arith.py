@@ -23,7 +23,7 @@ STUDY_TASK = "operations=add,sub,mul,mixed;max_operand=99;train_size=2000;eval_s
 
 
 def get_config(arg=None):
-  variant, _ = common.parse_arg(arg)
+  variant = common.local_variant(arg, "configs/smollm2_arith.py")
   c = smollm2_135m.get_config()  # the embedded model and task, float32, one reward worker
   c.data.arithmetic.update(dataclasses.asdict(arithmetic.ArithmeticSettings.parse(STUDY_TASK)))
   c.rollout.max_new_tokens = 64

@@ -1,22 +1,23 @@
-r"""A tiny random-weight model on real GSM8K prompts, for tests of the training loop.
+r"""A tiny random-weight model on generated arithmetic, for tests of the training loop.
 
   python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/tiny
 
 It uses SmolLM2's tokenizer (so real prompts and rewards) with a 2-layer, 64-wide
-random decoder; the replay delayed start is 0, so the buffer is used from step 1.
+random decoder, on the embedded arithmetic task (no data files); the replay delayed
+start is 0, so the buffer is used from step 1.
 """
 
 from configs import common
 
 
 def get_config(arg=None):
-  variant, _ = common.parse_arg(arg)
+  variant = common.local_variant(arg, "configs/tiny.py")
   c = common.base_config()
   c.model.random_init = True
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
   c.model.remat = "none"
-  c.data.train_path = "gsm8k_train.parquet"  # under data.dir
+  c.data.source = "arithmetic"
   c.data.limit = 64
   c.data.max_prompt_tokens = 192
   c.rollout.k = 4

@@ -12,15 +12,18 @@ from exgrpo_jax.training import config_check
 from tests import configs_test
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K = os.path.join(REPO, "..", "shared", "data", "gsm8k_test.parquet")
+# A question file in the repository, so these tests need no data beside it.
+QUESTIONS = os.path.join(REPO, "tests", "data", "questions.jsonl")
 
 
 def _config(name="tiny", variant="exgrpo"):
   c = importlib.import_module(f"configs.{name}").get_config(variant)
   # Paper configs name data and weights the user supplies; point them at files here.
   c.model.path = ""
-  c.data.train_path = GSM8K
-  c.eval.path = GSM8K
+  if c.data.source == "file":
+    c.data.train_path = QUESTIONS
+  if c.eval.source == "file":
+    c.eval.path = QUESTIONS
   return c
 
 
@@ -49,7 +52,7 @@ def test_shipped_configs_pass(name, variant):
     ("optim.micro_batch_size", 9, r"config.optim.micro_batch_size=9: larger than a "
                                   r"mini-batch \(8 responses"),
     ("train.steps", 0, r"config.train.steps=0"),
-    ("data.train_path", "/nonexistent.parquet", r"config.data.train_path=.*no such file"),
+    ("data.source", "file", r"config.data.train_path='': is required"),
     ("model.dtype", "float16", r"config.model.dtype='float16': must be one of float32"),
     ("model.remat", "partial", r"config.model.remat='partial': must be one of none, full, dots"),
     ("reward.plugins", "tests.reward_plugins,no_such_module",
@@ -66,6 +69,19 @@ def test_bad_value_is_one_clear_error(key, value, message):
   c[section][name] = value
   with pytest.raises(config_check.ConfigError, match=message):
     config_check.check(c)
+
+
+def test_missing_data_file_is_one_clear_error():
+  c = _config()
+  c.data.source, c.data.train_path = "file", "/nonexistent.parquet"
+  with pytest.raises(config_check.ConfigError,
+                     match=r"config.data.train_path='/nonexistent.parquet': .*no such file"):
+    config_check.check(c)
+
+
+def test_runlocal_is_refused_by_configs_that_already_run_locally():
+  with pytest.raises(ValueError, match=r"configs/tiny.py: 'runlocal' shrinks the GPU configs"):
+    importlib.import_module("configs.tiny").get_config("runlocal")
 
 
 def test_replay_k_override_is_refused():

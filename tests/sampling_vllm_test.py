@@ -147,8 +147,7 @@ def test_bad_options_get_one_line_each():
       "config.rollout.vllm.sleep_level"]
 
 
-def test_config_check_names_bad_vllm_values(shared_data_dir):
-  del shared_data_dir  # configs/tiny.py reads GSM8K from it
+def test_config_check_names_bad_vllm_values():
   from configs import tiny  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
   c = tiny.get_config()
@@ -371,9 +370,7 @@ def test_vllm_greedy_matches_the_jax_engine():
 
 
 @pytest.mark.slow
-def test_the_trainer_runs_every_jax_phase_while_vllm_sleeps(stand_in, monkeypatch, tmp_path,
-                                                            shared_data_dir):
-  del shared_data_dir  # configs/tiny.py reads GSM8K from it
+def test_the_trainer_runs_every_jax_phase_while_vllm_sleeps(stand_in, monkeypatch, tmp_path):
   from configs import tiny  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
