@@ -27,3 +27,21 @@ def smollm2_hf_dir():
     return models.resolve_hf_dir(models.default_model_path())
   except (FileNotFoundError, ImportError) as e:
     pytest.skip(f"embedded model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def text_model():
+  """(cfg, params, tokenizer): a tiny random decoder with the real SmolLM2 tokenizer whose
+  scaled-up weights give varied, EOS-ending text."""
+  import jax
+  from exgrpo_jax import models
+  try:
+    tokenizer = models.load_tokenizer()
+  except (FileNotFoundError, ImportError) as e:
+    pytest.skip(f"embedded tokenizer unavailable: {e}")
+  cfg = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                           eos_token_id=(tokenizer.eos_token_id,),
+                           pad_token_id=tokenizer.pad_token_id)
+  params = jax.tree.map(lambda x: x * 30, models.init_params(cfg, jax.random.key(0)))
+  return cfg, params, tokenizer

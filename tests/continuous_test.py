@@ -11,7 +11,6 @@ import jax
 import numpy as np
 import pytest
 
-from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax.sampling import continuous
 from tests import sampler_test
@@ -98,20 +97,6 @@ def test_prompts_are_prefilled_once_and_programs_compiled_once(eos_model):
   for counts in ([2, 0, 3, 1, 2], [3, 0, 1, 2, 3], [1, 0, 1, 0, 8]):
     engine.generate(PROMPTS, counts, shifted, jax.random.key(1), GREEDY)
   assert engine.stats["compiles"] == compiles
-
-
-@pytest.fixture(scope="module")
-def text_model():
-  try:
-    tokenizer = models.load_tokenizer()
-  except (FileNotFoundError, ImportError) as e:
-    pytest.skip(f"embedded tokenizer unavailable: {e}")
-  cfg = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                           eos_token_id=(tokenizer.eos_token_id,),
-                           pad_token_id=tokenizer.pad_token_id)
-  params = jax.tree.map(lambda x: x * 30, models.init_params(cfg, jax.random.key(0)))
-  return cfg, params, tokenizer
 
 
 def test_stop_strings_end_rows_as_in_the_static_loop(text_model):

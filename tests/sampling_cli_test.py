@@ -10,16 +10,8 @@ from exgrpo_jax.models import export
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-  try:
-    tokenizer = models.load_tokenizer()
-  except (FileNotFoundError, ImportError) as e:
-    pytest.skip(f"embedded tokenizer unavailable: {e}")
-  cfg = models.ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                           eos_token_id=(tokenizer.eos_token_id,),
-                           pad_token_id=tokenizer.pad_token_id)
-  params = jax.tree.map(lambda x: x * 30, models.init_params(cfg, jax.random.key(0)))
+def tiny_dir(tmp_path_factory, text_model):
+  cfg, params, tokenizer = text_model
   path = str(tmp_path_factory.mktemp("tiny"))
   export.save_pretrained(cfg, params, path)
   tokenizer.save_pretrained(path)
