@@ -25,6 +25,7 @@ import urllib.request
 
 import pandas as pd
 
+from exgrpo_jax import cli
 from exgrpo_jax import data
 from exgrpo_jax.data import readers
 
@@ -112,11 +113,16 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--datasets", nargs="+", choices=sorted(RECIPES), default=list(RECIPES),
                  metavar="NAME", help="which sets (default: all)")
   p.add_argument("--force", action="store_true", help="replace files already there")
+  cli.add_debug_flag(p)
   return p
 
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  return cli.guarded(lambda: _prepare(args), debug=args.debug, prefix="prepare_data")
+
+
+def _prepare(args) -> int:
   out_dir = os.path.abspath(os.path.expanduser(args.out or readers.default_dir()))
   os.makedirs(out_dir, exist_ok=True)
   failed = []
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
         print(f"[prepare_data] {prepare(name, out_dir, scratch)}", flush=True)
       except (OSError, ValueError) as e:  # network, hub, or data errors: one line each
         failed.append(name)
-        print(f"prepare_data: {name}: {readers.first_line(e)}", file=sys.stderr)
+        print(f"prepare_data: {name}: {cli.one_line(e)}", file=sys.stderr)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
   if failed:

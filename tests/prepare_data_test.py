@@ -115,3 +115,11 @@ def test_every_config_data_path_is_a_prepared_name():
     c = importlib.import_module(f"configs.{name}").get_config()
     for path in (c.data.train_path, c.eval.path):
       assert path.endswith(".parquet") and path[:-len(".parquet")] in prepare_data.RECIPES
+
+
+def test_an_unusable_output_directory_is_one_line(tmp_path, capsys):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  assert prepare_data.main(["--out", str(blocker / "data"), "--datasets", "gsm8k_test"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("prepare_data: ") and "a_file" in err[0], err

@@ -202,7 +202,8 @@ def test_train_reports_bad_data_in_one_line(tmp_path):
   path.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": \n')
   result = subprocess.run(
       [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
-       f"--workdir={tmp_path / 'run'}", f"--config.data.train_path={path}"],
+       f"--workdir={tmp_path / 'run'}", "--config.data.source=file",
+       f"--config.data.train_path={path}"],
       cwd=REPO, capture_output=True, text=True, timeout=600,
       env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
   assert result.returncode == 1

@@ -20,6 +20,8 @@ import os
 
 import pandas as pd
 
+from exgrpo_jax import cli
+
 ENV_VAR = "EXGRPO_DATA_DIR"
 HUB_PREFIX = "hf:"
 PREPARE = "python -m exgrpo_jax.prepare_data --out"
@@ -104,7 +106,7 @@ def _read(source: str) -> Table:
     try:
       frame = pd.read_parquet(path)
     except Exception as e:  # pyarrow's errors have no common base worth naming
-      raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
+      raise DataError(f"{path}: not a readable parquet file ({cli.one_line(e)})") from None
     return _frame_table(path, stem, frame)
   if path.endswith(".jsonl"):
     return _read_jsonl(path, stem)
@@ -112,11 +114,6 @@ def _read(source: str) -> Table:
     return _read_json(path, stem)
   raise DataError(f"{path}: unknown data format (expected .parquet, .jsonl, .json, a "
                   "`datasets` save_to_disk directory or hf:OWNER/NAME)")
-
-
-def first_line(e: Exception) -> str:
-  """The first line of an exception's message (its type when it has none)."""
-  return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _frame_table(name: str, stem: str, frame: pd.DataFrame) -> Table:
@@ -181,7 +178,7 @@ def _read_disk(path: str, split: str, stem: str) -> Table:
     loaded = datasets.load_from_disk(path)
   except Exception as e:  # datasets raises FileNotFoundError/ValueError/... for non-datasets dirs
     raise DataError(f"{path}: not a `datasets` save_to_disk directory "
-                    f"({first_line(e)})") from None
+                    f"({cli.one_line(e)})") from None
   if isinstance(loaded, datasets.DatasetDict):
     split = split or "train"
     if split not in loaded:
@@ -208,7 +205,7 @@ def load_hub(source: str):
     return datasets.load_dataset(repo, config, split=split)
   except Exception as e:  # offline, unknown name or split: whatever the hub client raises
     raise DataError(f"{source}: cannot load it from the Hugging Face hub "
-                    f"({type(e).__name__}: {first_line(e)})") from None
+                    f"({type(e).__name__}: {cli.one_line(e)})") from None
 
 
 def _read_hub(source: str) -> Table:
