@@ -103,11 +103,6 @@ class CheckpointStore:
     for old in sorted(self._manager.all_steps())[:-self.keep]:
       self._manager.delete(old)
 
-  def restore_meta(self, step: int) -> dict:
-    """Checkpoint `step`'s meta JSON alone (e.g. to check the config before the arrays)."""
-    return self._manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore())).meta
-
   def restore(self, step: int, abstract_params, abstract_opt):
     """Returns (params, opt, host, meta); params/opt follow the abstract trees' shardings.
 
