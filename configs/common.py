@@ -162,7 +162,8 @@ def base_config() -> ml_collections.ConfigDict:
       limit=0,
       temperature=0.6,
       max_new_tokens=8192,
-      n=1,
+      n=1,                    # samples per question: val/avg_score is avg@n
+      greedy=False,           # also greedy accuracy (val/greedy_score) when temperature > 0
       before_train=False,     # also evaluate at step 0
       samples=4,              # completions logged per evaluation (eval_samples.jsonl)
   ))

@@ -2,39 +2,34 @@
 # The small-scale study of docs/results.md, end to end: base accuracy, every run,
 # the summary table and the plots.
 #
-#   bash scripts/reproduce_small.sh                 # all runs (about 2 h on 2 CPU cores)
-#   SEEDS="1" bash scripts/reproduce_small.sh       # one seed per method
+#   bash scripts/reproduce_small.sh                 # all 16 runs (about 2 h on 2 CPU cores)
+#   SEEDS="1" ABLATION_SEEDS="1" bash scripts/reproduce_small.sh   # one seed per method
 #
 # Interrupt it at any time and run it again: finished runs are skipped (their workdir
 # holds the final checkpoint) and an unfinished one resumes from its latest checkpoint.
 # Runs go seed by seed (on-policy, ExGRPO, then the ablations), so a partial study is
-# still balanced across methods.
+# still balanced across methods. Seed s means the same training questions, eval
+# questions and initial keys in every method: the runs are paired by seed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-runs/study}
-SEEDS=${SEEDS:-"1 2 3"}
-ABLATION_SEEDS=${ABLATION_SEEDS:-"1"}
-CONFIG=configs/smollm2_arith.py
+SEEDS=${SEEDS:-"1 2 3 4 5"}
+ABLATION_SEEDS=${ABLATION_SEEDS:-"1 2 3"}
+CONFIG=configs/smollm2_study.py
 mkdir -p "$OUT"
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 
-# Base accuracy: the same 100 held-out problems and greedy decoding as the runs' eval
-# (the config's generated task, configs/smollm2_arith.py STUDY_TASK).
-if [ ! -f "$OUT/base_eval.json" ]; then
-  TASK=$("$PYTHON" -c "from configs import smollm2_arith; print(smollm2_arith.STUDY_TASK)")
-  "$PYTHON" -m exgrpo_jax.eval --data "arithmetic:$TASK" --limit 25 --max-new-tokens 64 \
-    --max-prompt-tokens 128 --temperature 0 --out "$OUT/base_eval.json"
-fi
-
-run() {  # run METHOD SEED
+run() {  # run METHOD SEED [FLAGS...]
   echo "=== $1 seed $2 ==="
   "$PYTHON" -m exgrpo_jax.train --config="$CONFIG:$1" --config.train.seed="$2" \
-    --workdir="$OUT/$1_s$2"
+    --workdir="$OUT/$1_s$2" "${@:3}"
 }
 
 for seed in $SEEDS; do
-  run onpolicy "$seed"
+  # The untrained model's evaluation (step 0) is the same in every method of a seed.
+  run onpolicy "$seed" --config.eval.before_train=True
   run exgrpo "$seed"
   if [[ " $ABLATION_SEEDS " == *" $seed "* ]]; then
     run no_shaping "$seed"

@@ -46,26 +46,40 @@ class Grader:
   def validate(self, engine, params, tokenizer) -> dict:
     """Validation accuracy on `eval.source`, per data source and averaged (val/* metrics).
 
-    A few graded completions (`eval.samples`) are kept in `eval_responses`.
+    avg@n at `eval.temperature` (val/avg_score); with `eval.greedy` and a temperature
+    above 0, also greedy accuracy on the same questions (val/greedy_score). A few graded
+    completions of the first pass (`eval.samples`) are kept in `eval_responses`.
     """
     config, cfg = self.config, self.config.eval
     if not data.sources.has_eval_data(config):
       return {}
     if self._eval_questions is None:
       self._eval_questions = data.sources.load(config, "eval").questions
+    metrics = self._validate_pass(engine, params, tokenizer, "avg", cfg.temperature, cfg.n)
+    if cfg.greedy and cfg.temperature > 0:
+      metrics.update(self._validate_pass(engine, params, tokenizer, "greedy", 0.0, 1))
+    return metrics
+
+  def _validate_pass(self, engine, params, tokenizer, name, temperature, n) -> dict:
+    config, cfg = self.config, self.config.eval
     # Same template (system prompt included) and length limit as the training prompts.
     options = evaluation.EvalOptions(template=config.data.template, remove_system=False,
                                      max_prompt_tokens=config.data.max_prompt_tokens,
-                                     n=cfg.n, keep_responses=cfg.samples > 0)
+                                     n=n, keep_responses=cfg.samples > 0)
     result = evaluation.evaluate(
         engine, params, tokenizer, self._eval_questions,
-        sampling.SamplingConfig(temperature=cfg.temperature, greedy=cfg.temperature == 0,
+        sampling.SamplingConfig(temperature=temperature, greedy=temperature == 0,
                                 max_new_tokens=cfg.max_new_tokens),
         self.pool, jax.random.key(config.train.seed), options)
-    self.eval_responses = result.get("responses", [])[:cfg.samples]
-    metrics = {f"val/test_score/{src}": v["avg@k"] for src, v in result["per_source"].items()}
-    metrics["val/avg_score"] = result["overall"]["avg@k"]
-    metrics["val/response_length"] = result["overall"]["mean_response_length"]
+    if name == "avg":
+      self.eval_responses = result.get("responses", [])[:cfg.samples]
+      metrics = {f"val/test_score/{src}": v["avg@k"]
+                 for src, v in result["per_source"].items()}
+      metrics["val/response_length"] = result["overall"]["mean_response_length"]
+    else:
+      metrics = {f"val/{name}_score/{src}": v["avg@k"]
+                 for src, v in result["per_source"].items()}
+    metrics[f"val/{name}_score"] = result["overall"]["avg@k"]
     return metrics
 
   def close(self) -> None:

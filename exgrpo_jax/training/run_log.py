@@ -31,7 +31,8 @@ LOGGERS = registry.Registry("logger")
 # (metric, label) pairs of the console progress line, when present.
 PROGRESS = (("batch/solved", "solved"), ("experience/batch_size", "replayed"),
             ("experience/questions", "buffer"), ("experience/retired", "retired"),
-            ("val/avg_score", "val"), ("actor/pg_loss", "pg_loss"),
+            ("val/avg_score", "val"), ("val/greedy_score", "val_greedy"),
+            ("actor/pg_loss", "pg_loss"),
             ("actor/entropy", "entropy"), ("response_length/mean", "len"),
             ("timing_s/step", "step_s"))
 
