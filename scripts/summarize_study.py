@@ -1,12 +1,17 @@
-r"""The small-scale study's table and comparison plot, from the runs' own logs.
+r"""The small-scale study's tables and plots, from the runs' own logs (docs/results.md).
 
-  python scripts/summarize_study.py --study runs/study
+  python scripts/summarize_study.py --study runs/study --plots docs/results
 
-Reads `<study>/<method>_s<seed>/metrics.jsonl` for every run and `<study>/base_eval.json`
-(the untrained model on the same held-out problems). Prints JSON (per run and per
-method: final held-out greedy accuracy, mean and sample std over seeds, training
-reward, wall time) and a Markdown table, and writes `<study>/comparison.png` (training
-reward and held-out accuracy per method, mean over seeds).
+Reads `<study>/<method>_s<seed>/metrics.jsonl` and `config.json` for every run. The
+untrained model's evaluation (step 0) is logged by the on-policy run of each seed and
+shared by every method of that seed (same weights, same evaluation key). Writes
+`<study>/summary.json` (per run, per method and per paired comparison),
+`<study>/tables.md` (the Markdown tables docs/results.md quotes) and the plots under
+`--plots`. Needs scipy for the t intervals (the `test` extra has it).
+
+Paired comparisons: for each seed present in both methods, the difference of held-out
+accuracy at the same step; mean, a 95% t interval over seeds, and how many seeds favour
+the first method.
 """
 
 import argparse
@@ -23,124 +28,231 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 import numpy as np  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from exgrpo_jax import checkpointing  # pylint: disable=wrong-import-position
 from exgrpo_jax.training import run_log  # pylint: disable=wrong-import-position
 
 METHOD_ORDER = ("onpolicy", "exgrpo", "no_shaping", "no_tsel")
+SCORES = {"greedy": "val/greedy_score", "avg@4": "val/avg_score"}
+PAIRS = (("exgrpo", "onpolicy"), ("exgrpo", "no_shaping"), ("exgrpo", "no_tsel"))
+CURVES = {  # metric: (title, methods it applies to)
+    "batch/solved": ("training batch accuracy", None),
+    "actor/entropy": ("policy entropy (mean over response tokens)", None),
+    "response_length/mean": ("response length (tokens)", None),
+    "experience/questions": ("replay buffer: partially solved questions", "replay"),
+    "experience/retired": ("retired questions (solved K/K)", "replay"),
+    "experience/batch_size": ("replayed questions per step", "replay"),
+}
 
 
-def last_rows(workdir: str) -> list[dict]:
-  """One row per step (a resumed run re-logs the steps after its last checkpoint)."""
-  return [row for _, row in sorted({r["step"]: r for r in run_log.read_metrics(workdir)}
-                                   .items())]
+def load_runs(study: str) -> tuple[dict, dict]:
+  """{method: {seed: [row per step]}} of the finished runs (a resumed run's re-logged steps
+  count once), and the config of one of them (the methods share B, K and the eval)."""
+  runs, config = collections.defaultdict(dict), None
+  for workdir in sorted(glob.glob(os.path.join(study, "*_s*"))):
+    match = re.fullmatch(r"(.+)_s(\d+)", os.path.basename(workdir))
+    if not match or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+      continue
+    rows = [row for _, row in sorted({r["step"]: r for r in run_log.read_metrics(workdir)}
+                                     .items())]
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+      run_config = json.load(f)
+    steps = run_config["train"]["steps"]
+    if not rows or rows[-1]["step"] < steps:
+      print(f"{workdir}: unfinished ({rows[-1]['step'] if rows else 0}/{steps} steps), "
+            "left out", file=sys.stderr)
+      continue
+    runs[match[1]][int(match[2])] = rows
+    config = config or run_config
+  if not runs:
+    raise SystemExit(f"{study}: no finished runs (<method>_s<seed>/metrics.jsonl)")
+  return dict(sorted(runs.items(),
+                     key=lambda kv: (METHOD_ORDER + (kv[0],)).index(kv[0]))), config
 
 
-def run_config(workdir: str) -> dict:
-  """The training config stored with the run's latest checkpoint."""
-  step_dir = checkpointing.latest_step_dir(workdir)
-  with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
-    return json.load(f)["config"]
+def evals(runs: dict) -> dict:
+  """{method: {seed: {step: {score: value}}}}, step 0 taken from the seed's on-policy run."""
+  base = {seed: {name: r[key] for name, key in SCORES.items()}
+          for seed, rows in runs.get("onpolicy", {}).items() for r in rows if r["step"] == 0
+          and SCORES["greedy"] in r}
+  out = {}
+  for method, seeds in runs.items():
+    out[method] = {}
+    for seed, rows in seeds.items():
+      points = {r["step"]: {name: r[key] for name, key in SCORES.items()}
+                for r in rows if SCORES["greedy"] in r}
+      if seed in base:
+        points[0] = base[seed]
+      out[method][seed] = dict(sorted(points.items()))
+  return out
 
 
-def summarize_run(rows: list[dict], config: dict) -> dict:
+def t_interval(diffs) -> dict:
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  d = np.asarray(diffs, float)
+  mean = float(d.mean())
+  if len(d) < 2:
+    return {"n": len(d), "mean": mean, "ci95": None, "favour": int((d > 0).sum())}
+  half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
+  return {"n": len(d), "mean": mean, "ci95": [mean - half, mean + half],
+          "favour": int((d > 0).sum()), "against": int((d < 0).sum())}
+
+
+def budget(rows: list[dict], config: dict) -> dict:
+  """Rollouts generated: K per fresh question, K - 1 per replayed one (its stored solution
+  is reused), and the tokens they hold."""
   per_step = config["train"]["batch_questions"] * config["rollout"]["k"]
-  evals = [r for r in rows if "val/avg_score" in r]
-  final = evals[-1] if evals else {}
-  return {
-      "steps": rows[-1]["step"],
-      "final_val_acc": final.get("val/avg_score"),
-      "final_val_step": final.get("step"),
-      "val_per_source": {k.split("/")[-1]: v for k, v in final.items()
-                         if k.startswith("val/test_score/")},
-      "train_reward_first3": float(np.mean([r["batch/solved"] for r in rows[:3]])),
-      "train_reward_last3": float(np.mean([r["batch/solved"] for r in rows[-3:]])),
-      "replayed_questions": int(sum(r.get("experience/batch_size", 0) for r in rows)),
-      # The rollout budget: K fresh samples per fresh question, K - 1 per replayed one.
-      "fresh_rollouts": int(sum(per_step - r.get("experience/batch_size", 0) for r in rows)),
-      "final_entropy": rows[-1].get("actor/entropy"),
-      "wall_s": float(sum(r.get("timing_s/step", 0.0) for r in rows)),
-  }
+  fresh = [per_step - r.get("experience/batch_size", 0) for r in rows if r["step"] > 0]
+  tokens = [f * r["response_length/mean"] for f, r in zip(fresh, [r for r in rows
+                                                                   if r["step"] > 0])]
+  return {"rollouts": int(sum(fresh)), "tokens_approx": int(sum(tokens))}
+
+
+def summarize(study: str) -> dict:
+  runs, config = load_runs(study)
+  scores = evals(runs)
+  methods = {}
+  for method, seeds in runs.items():
+    steps = sorted({s for per_seed in scores[method].values() for s in per_seed})
+    table = {}
+    for step in steps:
+      for name in SCORES:
+        vals = [scores[method][seed][step][name] for seed in seeds
+                if step in scores[method][seed]]
+        table[f"{name}@{step}"] = {"mean": float(np.mean(vals)), "std": float(
+            np.std(vals, ddof=1)) if len(vals) > 1 else None, "per_seed": vals}
+    final = [r[-1] for r in seeds.values()]
+    spent = [budget(r, config) for r in seeds.values()]
+    methods[method] = {
+        "seeds": sorted(seeds), "val": table,
+        "final_entropy": float(np.mean([r.get("actor/entropy", np.nan) for r in final])),
+        "final_length": float(np.mean([r["response_length/mean"] for r in final])),
+        "replayed_questions": float(np.mean([sum(x.get("experience/batch_size", 0)
+                                                 for x in r) for r in seeds.values()])),
+        "rollouts": float(np.mean([b["rollouts"] for b in spent])),
+        "tokens_approx": float(np.mean([b["tokens_approx"] for b in spent])),
+        "wall_s": float(np.mean([sum(x.get("timing_s/step", 0.0) for x in r)
+                                 for r in seeds.values()])),
+    }
+  paired = {}
+  for a, b in PAIRS:
+    if a not in scores or b not in scores:
+      continue
+    common = sorted(set(scores[a]) & set(scores[b]))
+    steps = sorted({s for seed in common for s in scores[a][seed]} - {0})
+    paired[f"{a}-{b}"] = {
+        f"{name}@{step}": dict(t_interval([scores[a][seed][step][name]
+                                           - scores[b][seed][step][name] for seed in common
+                                           if step in scores[a][seed]
+                                           and step in scores[b][seed]]), seeds=common)
+        for step in steps for name in SCORES}
+  return {"config": {"model": "SmolLM2-135M-Instruct", "steps": config["train"]["steps"],
+                     "batch_questions": config["train"]["batch_questions"],
+                     "k": config["rollout"]["k"], "eval_n": config["eval"]["n"],
+                     "eval_temperature": config["eval"]["temperature"]},
+          "methods": methods, "paired": paired, "_runs": runs, "_scores": scores}
+
+
+def pct(x) -> str:
+  return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def tables(result: dict) -> str:
+  methods = result["methods"]
+  steps = sorted({int(k.split("@")[-1]) for m in methods.values() for k in m["val"]})
+  lines = ["| method | seeds | " + " | ".join(f"{n} step {s}" for s in steps for n in SCORES)
+           + " |", "|---|---|" + "---|" * (len(steps) * len(SCORES))]
+  for method, m in methods.items():
+    cells = []
+    for s in steps:
+      for n in SCORES:
+        v = m["val"].get(f"{n}@{s}")
+        cells.append("" if v is None else f"{pct(v['mean'])} ± {pct(v['std'])}")
+    lines.append(f"| {method} | {len(m['seeds'])} | " + " | ".join(cells) + " |")
+  lines += ["", "| paired difference | seeds | score | mean (points) | 95% t interval | "
+            "seeds for / against |", "|---|---|---|---|---|---|"]
+  for pair, by_step in result["paired"].items():
+    for key, d in by_step.items():
+      ci = "n/a" if d["ci95"] is None else f"[{pct(d['ci95'][0])}, {pct(d['ci95'][1])}]"
+      lines.append(f"| {pair} | {d['n']} | {key} | {pct(d['mean'])} | {ci} | "
+                   f"{d['favour']} / {d.get('against', 0)} |")
+  lines += ["", "| method | final entropy | final length | replayed questions | rollouts "
+            "generated | response tokens (approx.) | wall time / run |",
+            "|---|---|---|---|---|---|---|"]
+  for method, m in methods.items():
+    lines.append(f"| {method} | {m['final_entropy']:.3f} | {m['final_length']:.1f} | "
+                 f"{m['replayed_questions']:.1f} | {m['rollouts']:.0f} | "
+                 f"{m['tokens_approx']:.0f} | {m['wall_s'] / 60:.1f} min |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out_dir: str) -> list[str]:
+  runs, scores, paths = result["_runs"], result["_scores"], []
+  os.makedirs(out_dir, exist_ok=True)
+  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+  for ax, name in zip(axes, SCORES):
+    for method, per_seed in scores.items():
+      steps = sorted({s for v in per_seed.values() for s in v})
+      vals = [[v[s][name] for v in per_seed.values() if s in v] for s in steps]
+      ax.errorbar(steps, [np.mean(v) for v in vals], yerr=[np.std(v) for v in vals],
+                  marker="o", capsize=3, label=f"{method} (n={len(per_seed)})")
+    ax.set_title(f"held-out {name} accuracy, mean ± std over seeds", fontsize=10)
+  paths.append(_save(fig, axes, out_dir, "study_accuracy.png"))
+  fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+  for ax, (metric, (title, scope)) in zip(axes.flat, CURVES.items()):
+    for method, per_seed in runs.items():
+      if scope == "replay" and method == "onpolicy":
+        continue
+      n = min(len(rows) for rows in per_seed.values())
+      curve = np.array([[r.get(metric, np.nan) for r in rows[:n]] for rows in
+                        per_seed.values()])
+      steps = [r["step"] for r in next(iter(per_seed.values()))[:n]]
+      ax.plot(steps, np.nanmean(curve, 0), marker=".", label=method)
+    ax.set_title(title + ", mean over seeds", fontsize=10)
+  paths.append(_save(fig, axes.flat, out_dir, "study_dynamics.png"))
+  if "exgrpo" in runs:
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    per_seed = runs["exgrpo"]
+    n = min(len(rows) for rows in per_seed.values())
+    steps = [r["step"] for r in next(iter(per_seed.values()))[:n]]
+    bottom = np.zeros(n)
+    for b in (1, 2, 3):
+      counts = np.mean([[r.get(f"bucket/{b}_count", 0) for r in rows[:n]]
+                        for rows in per_seed.values()], 0)
+      ax.bar(steps, counts, bottom=bottom, label=f"{b}/4 correct")
+      bottom += counts
+    ax.set_title("ExGRPO buffer by bucket (correct rollouts of K = 4), mean over seeds",
+                 fontsize=9)
+    paths.append(_save(fig, [ax], out_dir, "study_buckets.png"))
+  return paths
+
+
+def _save(fig, axes, out_dir: str, name: str) -> str:
+  for ax in axes:
+    ax.set_xlabel("training step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  path = os.path.join(out_dir, name)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--study", default="runs/study")
+  parser.add_argument("--plots", default=None, help="plot directory (default: the study's)")
   args = parser.parse_args()
-  runs = collections.defaultdict(dict)
-  curves = collections.defaultdict(list)
-  for workdir in sorted(glob.glob(os.path.join(args.study, "*_s*"))):
-    match = re.fullmatch(r"(.+)_s(\d+)", os.path.basename(workdir))
-    if not match or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-      continue
-    rows = last_rows(workdir)
-    if not rows or not any("val/avg_score" in r for r in rows[-1:]):
-      print(f"{workdir}: unfinished (no final evaluation yet), left out", file=sys.stderr)
-      continue
-    runs[match[1]][int(match[2])] = summarize_run(rows, run_config(workdir))
-    curves[match[1]].append(rows)
-  if not runs:
-    raise SystemExit(f"{args.study}: no runs with metrics.jsonl")
-
-  result = {"runs": runs, "methods": {}}
-  base_path = os.path.join(args.study, "base_eval.json")
-  if os.path.exists(base_path):
-    with open(base_path) as f:
-      result["base_val_acc"] = json.load(f)["overall"]["avg@k"]
-  for method in sorted(runs, key=lambda m: (METHOD_ORDER + (m,)).index(m)):
-    accs = [r["final_val_acc"] for r in runs[method].values() if r["final_val_acc"] is not None]
-    result["methods"][method] = {
-        "seeds": sorted(runs[method]),
-        "val_acc_mean": float(np.mean(accs)) if accs else None,
-        "val_acc_std": float(np.std(accs, ddof=1)) if len(accs) > 1 else None,
-        "val_acc_per_seed": accs,
-        "train_reward_last3_mean": float(np.mean([r["train_reward_last3"]
-                                                  for r in runs[method].values()])),
-        "wall_s_mean": float(np.mean([r["wall_s"] for r in runs[method].values()])),
-        "fresh_rollouts_mean": float(np.mean([r["fresh_rollouts"]
-                                              for r in runs[method].values()])),
-    }
-  print(json.dumps(result, indent=1))
-  print("\n| method | seeds | held-out acc. (%) mean ± std | per seed | "
-        "train reward, last 3 steps | fresh rollouts / run | wall time / run |\n"
-        "|---|---|---|---|---|---|---|")
-  for method, m in result["methods"].items():
-    std = f" ± {100 * m['val_acc_std']:.1f}" if m["val_acc_std"] is not None else ""
-    mean = f"{100 * m['val_acc_mean']:.1f}" if m["val_acc_mean"] is not None else "n/a"
-    per_seed = ", ".join(f"{100 * a:.0f}" for a in m["val_acc_per_seed"])
-    print(f"| {method} | {len(m['seeds'])} | {mean}{std} | {per_seed} | "
-          f"{m['train_reward_last3_mean']:.3f} | {m['fresh_rollouts_mean']:.0f} | "
-          f"{m['wall_s_mean'] / 60:.1f} min |")
-  plot_comparison(curves, os.path.join(args.study, "comparison.png"),
-                  result.get("base_val_acc"))
-
-
-def plot_comparison(curves: dict, path: str, base_acc: float | None) -> None:
-  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-  for method, runs in curves.items():
-    steps = min(len(rows) for rows in runs)
-    reward = np.mean([[r["batch/solved"] for r in rows[:steps]] for rows in runs], axis=0)
-    axes[0].plot(np.arange(1, steps + 1), reward, marker="o", label=f"{method} (n={len(runs)})")
-    val = collections.defaultdict(list)
-    for rows in runs:
-      for r in rows:
-        if "val/avg_score" in r:
-          val[r["step"]].append(r["val/avg_score"])
-    if base_acc is not None:
-      val[0] = [base_acc]  # the untrained model, the same for every method
-    x = sorted(val)
-    axes[1].errorbar(x, [np.mean(val[s]) for s in x], yerr=[np.std(val[s]) for s in x],
-                     marker="o", capsize=3, label=method)
-  axes[0].set_title("training reward, mean over seeds\n(ExGRPO's includes its replayed, "
-                    "correct members)", fontsize=10)
-  axes[1].set_title("held-out greedy accuracy, mean ± std over seeds\n(step 0: the "
-                    "untrained model)", fontsize=10)
-  for ax in axes:
-    ax.set_xlabel("training step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}", file=sys.stderr)
+  result = summarize(args.study)
+  public = {k: v for k, v in result.items() if not k.startswith("_")}
+  with open(os.path.join(args.study, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(public, f, indent=1)
+  text = tables(result)
+  with open(os.path.join(args.study, "tables.md"), "w", encoding="utf-8") as f:
+    f.write(text)
+  print(json.dumps(public, indent=1))
+  print(text)
+  for path in plot(result, args.plots or args.study):
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
