@@ -83,7 +83,7 @@ def main():
   config = common.base_config()
   config.algo.norm_len = R
   optim = config.optim
-  responses = [packing.Response(rng.integers(2, args.vocab, p), rng.integers(2, args.vocab, r),
+  responses = [packing.Sequence(rng.integers(2, args.vocab, p), rng.integers(2, args.vocab, r),
                                 rng.normal(-3, 0.5, r), float(rng.normal()), False)
                for p, r in zip(prompt_lens, response_lens)]
   P = padding.prompt_bucket(int(prompt_lens.max()))

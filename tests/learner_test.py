@@ -49,7 +49,7 @@ RESPONSES = _responses()
 
 def _batch(micro, aggregation="token_sum_norm", pack=True):
   """The mini-batch as micro-batches of `micro` rows, shaped for one response per row."""
-  responses = [packing.Response(r["prompt"], r["tokens"], r["old_logp"], r["adv"],
+  responses = [packing.Sequence(r["prompt"], r["tokens"], r["old_logp"], r["adv"],
                                 r["is_replay"]) for r in RESPONSES]
   return packing.train_batch(responses, prompt_len=P, response_len=R, micro_batch=micro,
                              num_micro=-(-N // micro), pad_id=0, aggregation=aggregation,

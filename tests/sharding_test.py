@@ -47,7 +47,7 @@ def _child(outdir: str) -> None:
   M, B, P, R = 2, 8, 8, 16
   batches = []
   for _ in range(STEPS):  # packed rows; the second micro-batch may be left empty
-    responses = [packing.Response(
+    responses = [packing.Sequence(
         rng.integers(2, 128, rng.integers(1, P + 1)), rng.integers(2, 128, rng.integers(1, R)),
         rng.normal(-3, 0.5, R), rng.normal(), rng.random() < 0.5) for _ in range(M * B)]
     batches.append(packing.train_batch(

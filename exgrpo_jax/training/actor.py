@@ -56,7 +56,7 @@ class Actor:
     Each mini-batch is packed into rows (`train.packing`; `packing.train_batch`).
     Returns (params, opt_state, metrics averaged over the steps; `skipped` summed).
     """
-    responses = [packing.Response(g.prompt_ids, r.tokens, r.old_logp, adv, r.is_replay)
+    responses = [packing.Sequence(g.prompt_ids, r.tokens, r.old_logp, adv, r.is_replay)
                  for g in groups for r, adv in zip(g.responses, g.advantages)]
     order = rng.permutation(len(responses))
     prompt_len = padding.prompt_bucket(max(len(r.prompt) for r in responses))

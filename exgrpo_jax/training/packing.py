@@ -25,7 +25,7 @@ from exgrpo_jax.training import learner
 
 
 @dataclasses.dataclass
-class Response:
+class Sequence:
   """One (prompt, response) sequence and, for the learner, its loss inputs."""
 
   prompt: np.ndarray                  # prompt ids
@@ -138,7 +138,7 @@ def token_weights(mask_SxR, aggregation: str, norm_len: float) -> np.ndarray:
   raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {losses.AGGREGATIONS}")
 
 
-def train_batch(responses: list[Response], *, prompt_len: int, response_len: int,
+def train_batch(responses: list[Sequence], *, prompt_len: int, response_len: int,
                 micro_batch: int, num_micro: int, pad_id: int, aggregation: str,
                 norm_len: float, pack: bool = True) -> learner.TrainBatch:
   """One mini-batch as `num_micro` micro-batches of `micro_batch` rows.
