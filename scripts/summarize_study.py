@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from exgrpo_jax.training import run_log  # pylint: disable=wrong-import-position
 
 METHOD_ORDER = ("onpolicy", "exgrpo", "no_shaping", "no_tsel")
+COLORS = dict(zip(METHOD_ORDER, ("C0", "C1", "C2", "C3")))
 SCORES = {"greedy": "val/greedy_score", "avg@4": "val/avg_score"}
 PAIRS = (("exgrpo", "onpolicy"), ("exgrpo", "no_shaping"), ("exgrpo", "no_tsel"))
 CURVES = {  # metric: (title, methods it applies to)
@@ -88,12 +89,12 @@ def evals(runs: dict) -> dict:
 def t_interval(diffs) -> dict:
   from scipy import stats  # pylint: disable=g-import-not-at-top
   d = np.asarray(diffs, float)
-  mean = float(d.mean())
-  if len(d) < 2:
-    return {"n": len(d), "mean": mean, "ci95": None, "favour": int((d > 0).sum())}
-  half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
-  return {"n": len(d), "mean": mean, "ci95": [mean - half, mean + half],
-          "favour": int((d > 0).sum()), "against": int((d < 0).sum())}
+  out = {"n": len(d), "mean": float(d.mean()), "ci95": None, "favour": int((d > 0).sum()),
+         "against": int((d < 0).sum())}
+  if len(d) > 1:
+    half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
+    out["ci95"] = [out["mean"] - half, out["mean"] + half]
+  return out
 
 
 def budget(rows: list[dict], config: dict) -> dict:
@@ -173,7 +174,7 @@ def tables(result: dict) -> str:
     for key, d in by_step.items():
       ci = "n/a" if d["ci95"] is None else f"[{pct(d['ci95'][0])}, {pct(d['ci95'][1])}]"
       lines.append(f"| {pair} | {d['n']} | {key} | {pct(d['mean'])} | {ci} | "
-                   f"{d['favour']} / {d.get('against', 0)} |")
+                   f"{d['favour']} / {d['against']} |")
   lines += ["", "| method | final entropy | final length | replayed questions | rollouts "
             "generated | response tokens (approx.) | wall time / run |",
             "|---|---|---|---|---|---|---|"]
@@ -193,31 +194,33 @@ def plot(result: dict, out_dir: str) -> list[str]:
       steps = sorted({s for v in per_seed.values() for s in v})
       vals = [[v[s][name] for v in per_seed.values() if s in v] for s in steps]
       ax.errorbar(steps, [np.mean(v) for v in vals], yerr=[np.std(v) for v in vals],
-                  marker="o", capsize=3, label=f"{method} (n={len(per_seed)})")
+                  marker="o", capsize=3, label=f"{method} (n={len(per_seed)})",
+                  color=COLORS.get(method))
     ax.set_title(f"held-out {name} accuracy, mean ± std over seeds", fontsize=10)
   paths.append(_save(fig, axes, out_dir, "study_accuracy.png"))
+  # Training steps only (the on-policy runs also log the step-0 evaluation).
+  train = {method: [[r for r in rows if r["step"] > 0] for rows in per_seed.values()]
+           for method, per_seed in runs.items()}
   fig, axes = plt.subplots(2, 3, figsize=(14, 7))
   for ax, (metric, (title, scope)) in zip(axes.flat, CURVES.items()):
-    for method, per_seed in runs.items():
+    for method, per_seed in train.items():
       if scope == "replay" and method == "onpolicy":
         continue
-      n = min(len(rows) for rows in per_seed.values())
-      curve = np.array([[r.get(metric, np.nan) for r in rows[:n]] for rows in
-                        per_seed.values()])
-      steps = [r["step"] for r in next(iter(per_seed.values()))[:n]]
-      ax.plot(steps, np.nanmean(curve, 0), marker=".", label=method)
+      n = min(len(rows) for rows in per_seed)
+      curve = np.array([[r.get(metric, 0.0) for r in rows[:n]] for rows in per_seed])
+      ax.plot(np.arange(1, n + 1), curve.mean(0), marker=".", label=method,
+              color=COLORS.get(method))
     ax.set_title(title + ", mean over seeds", fontsize=10)
   paths.append(_save(fig, axes.flat, out_dir, "study_dynamics.png"))
-  if "exgrpo" in runs:
+  if "exgrpo" in train:
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    per_seed = runs["exgrpo"]
-    n = min(len(rows) for rows in per_seed.values())
-    steps = [r["step"] for r in next(iter(per_seed.values()))[:n]]
+    per_seed = train["exgrpo"]
+    n = min(len(rows) for rows in per_seed)
     bottom = np.zeros(n)
     for b in (1, 2, 3):
       counts = np.mean([[r.get(f"bucket/{b}_count", 0) for r in rows[:n]]
-                        for rows in per_seed.values()], 0)
-      ax.bar(steps, counts, bottom=bottom, label=f"{b}/4 correct")
+                        for rows in per_seed], 0)
+      ax.bar(np.arange(1, n + 1), counts, bottom=bottom, label=f"{b}/4 correct")
       bottom += counts
     ax.set_title("ExGRPO buffer by bucket (correct rollouts of K = 4), mean over seeds",
                  fontsize=9)
