@@ -5,7 +5,7 @@ r"""Every accelerator check in one command: a table on stdout and one JSON file 
   python scripts/accelerator_check.py --parts parity,learner --budget learner=300
 
 Parts, in this order, each under its own time budget (`BUDGETS_S`, `--budget NAME=S`;
-scripts/accelerator_parts.py):
+scripts/accelerator_parts.py and, for sampler and learner, scripts/accelerator_speed.py):
   tests    the default test suite in a subprocess on this backend, failures listed;
   parity   our logits and log-probs against transformers' (PyTorch, CUDA when present)
            for SmolLM2-135M-Instruct's real weights, float32 and bfloat16;
@@ -23,7 +23,8 @@ every figure, each part's status) is rewritten after every part, so a run killed
 keeps what finished. Exit status 1 if any part errored or failed.
 
 --smoke runs every part on CPU with tiny random models (SmolLM2's tokenizer), one test
-file and two training steps (configs/tiny.py); tests/accelerator_check_test.py runs it.
+file and one training step (configs/tiny.py); tests/accelerator_check_test.py runs it.
+--render JSON prints a written report as Markdown (the figures of docs/accelerator_results.md).
 """
 
 import argparse
@@ -42,7 +43,7 @@ sys.path.insert(0, REPO)
 
 ORDER = ("tests", "parity", "sampler", "learner", "gap", "train")
 # Seconds per part on one H100: about 8 minutes together, start-up included.
-BUDGETS_S = dict(tests=120, parity=30, sampler=110, learner=140, gap=20, train=50)
+BUDGETS_S = dict(tests=100, parity=30, sampler=100, learner=170, gap=20, train=50)
 SMOKE_TESTS = ("tests/replay_test.py",)
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
             "orbax-checkpoint", "numpy", "torch", "transformers", "tokenizers")
@@ -68,14 +69,16 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--parts", default=",".join(ORDER), help="comma-separated subset of parts")
   p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
                  help="a part's time budget (repeatable)")
+  p.add_argument("--render", metavar="JSON", help="print this report as Markdown and exit")
   p.add_argument("--tests", nargs="*", default=None,
                  help="pytest arguments for the tests part (default: tests/, or one file "
                       "with --smoke)")
   return p
 
 
-def _budgets(items: list[str], parts: list[str]) -> dict:
-  budgets = dict(BUDGETS_S)
+def _budgets(items: list[str], parts: list[str], smoke: bool) -> dict:
+  # --smoke's shapes are already the smallest; only an explicit --budget cuts them.
+  budgets = {name: 3600.0 for name in ORDER} if smoke else dict(BUDGETS_S)
   for item in items:
     name, _, seconds = item.partition("=")
     if name not in budgets or not seconds.replace(".", "", 1).isdigit():
@@ -129,6 +132,45 @@ def table(records: list[PartRecord]) -> str:
                    for row in rows)
 
 
+def _cell(value) -> str:
+  return (f"{value:.4g}" if isinstance(value, float) else str(value)).replace("|", "\\|")
+
+
+def _flat(row: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in row.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def markdown(report: dict) -> str:
+  """The report as Markdown: environment, one row per part, then each part's figures
+  (lists of records as tables)."""
+  env = report["environment"]
+  lines = [f"Device: {env['device_kind']} (backend {env['backend']}, {env['device_count']} "
+           f"device(s), {env['cpu_count']} CPUs); started {report['started_utc']}.", "",
+           "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", "",
+           "| part | status | seconds (budget) | summary |", "|---|---|---|---|"]
+  for name, part in report["parts"].items():
+    lines.append(f"| {name} | {part['status']} | {part['seconds']:.0f} ({part['budget_s']:.0f})"
+                 f" | {_cell(part['error'] or part['figures'].get('summary', ''))} |")
+  for name, part in report["parts"].items():
+    lines += ["", f"### {name}", ""]
+    for key, value in part["figures"].items():
+      if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        rows = [_flat(v) for v in value]
+        keys = list(dict.fromkeys(k for row in rows for k in row))
+        lines += [f"{key}:", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |" for row in rows]
+        lines.append("")
+      elif key != "summary":
+        lines.append(f"- {key}: {json.dumps(value)}")
+  return "\n".join(lines) + "\n"
+
+
 def write(path: str, report: dict) -> None:
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
@@ -138,14 +180,22 @@ def write(path: str, report: dict) -> None:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      print(markdown(json.load(f)), end="")
+    return 0
   names = [p for p in args.parts.split(",") if p]
-  budgets = _budgets(args.budget, names)
+  budgets = _budgets(args.budget, names, args.smoke)
   if args.smoke:
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # Compilation is most of a smoke run; its figures need not be fast, only plausible.
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
   # JAX, the pytest subprocess and PyTorch share the GPU: JAX takes memory as it needs it
   # instead of 75% at start.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  # After the environment above: these import JAX. accelerator_speed registers two parts.
   from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
+  from scripts import accelerator_speed  # pylint: disable=g-import-not-at-top,unused-import
   out = os.path.abspath(args.out)
   report = dict(command=" ".join(sys.argv), smoke=args.smoke,
                 started_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(
