@@ -136,16 +136,6 @@ def _cell(value) -> str:
   return (f"{value:.4g}" if isinstance(value, float) else str(value)).replace("|", "\\|")
 
 
-def _flat(row: dict, prefix: str = "") -> dict:
-  out = {}
-  for key, value in row.items():
-    if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
 def markdown(report: dict) -> str:
   """The report as Markdown: environment, one row per part, then each part's figures
   (lists of records as tables)."""
@@ -161,10 +151,11 @@ def markdown(report: dict) -> str:
     lines += ["", f"### {name}", ""]
     for key, value in part["figures"].items():
       if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        rows = [_flat(v) for v in value]
-        keys = list(dict.fromkeys(k for row in rows for k in row))
-        lines += [f"{key}:", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |" for row in rows]
+        import pandas as pd  # pylint: disable=g-import-not-at-top
+        rows = pd.json_normalize(value).astype(object).where(lambda t: t.notna(), "")
+        lines += [f"{key}:", "", "| " + " | ".join(rows.columns) + " |",
+                  "|" + "---|" * len(rows.columns)]
+        lines += ["| " + " | ".join(map(_cell, row)) + " |" for row in rows.values.tolist()]
         lines.append("")
       elif key != "summary":
         lines.append(f"- {key}: {json.dumps(value)}")
@@ -203,8 +194,11 @@ def main(argv=None) -> int:
                 environment=environment(), parts={})
   records = [PartRecord(name, budgets[name]) for name in ORDER if name in names]
   with tempfile.TemporaryDirectory(prefix="accelerator_check_") as workdir:
-    ctx = parts.Context(smoke=args.smoke, workdir=workdir, tests=tuple(
-        args.tests if args.tests is not None else SMOKE_TESTS if args.smoke else ("tests",)))
+    ctx = parts.Context(
+        smoke=args.smoke, workdir=workdir,
+        tests=tuple(args.tests if args.tests is not None
+                    else SMOKE_TESTS if args.smoke else ("tests",)),
+        tests_log=f"{os.path.splitext(out)[0]}.tests.log")
     for record in records:
       run_part(parts, record, ctx)
       report["parts"][record.name] = dataclasses.asdict(record)

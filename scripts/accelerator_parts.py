@@ -1,5 +1,8 @@
 """The parts of scripts/accelerator_check.py: each takes (Context, Deadline), returns figures.
 
+Here: the registry, sizes and models the parts share, and the tests, parity, gap and
+train parts; the sampler and learner parts are in scripts/accelerator_speed.py.
+
 A part stops starting new measurements once its deadline has passed and lists what it
 left out under "skipped_for_budget". `figures["failures"]` (non-empty) marks a check that
 ran and missed its stated tolerance; `Skip` marks a part whose requirements are missing.
@@ -91,8 +94,9 @@ class Subject:
 @dataclasses.dataclass
 class Context:
   smoke: bool
-  tests: tuple[str, ...]
-  workdir: str
+  tests: tuple[str, ...]  # pytest arguments
+  tests_log: str  # pytest's output, kept beside the JSON
+  workdir: str  # temporary
   subjects: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -160,7 +164,7 @@ def tests(ctx: Context, deadline: Deadline) -> dict:
              f"--junitxml={xml_path}", "--ignore=tests/accelerator_check_test.py", *ctx.tests]
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-  with open(os.path.join(ctx.workdir, "tests.log"), "w") as log:
+  with open(ctx.tests_log, "w") as log:
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     interrupted = False
@@ -174,9 +178,11 @@ def tests(ctx: Context, deadline: Deadline) -> dict:
       except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+  with open(ctx.tests_log) as log:
+    tail = log.read().splitlines()[-15:]
   if not os.path.exists(xml_path):
-    raise RuntimeError(f"pytest wrote no junit XML (exit {proc.returncode}); "
-                       f"see {log.name}")
+    raise RuntimeError(f"pytest wrote no junit XML (exit {proc.returncode}): "
+                       f"{tail[-1] if tail else 'no output'} ({ctx.tests_log})")
   counts = dict(passed=0, failed=0, errors=0, skipped=0)
   failures = []
   for case in ET.parse(xml_path).getroot().iter("testcase"):
@@ -189,6 +195,7 @@ def tests(ctx: Context, deadline: Deadline) -> dict:
             None: "passed"}[outcome]] += 1
   return dict(command=" ".join(command[1:]), exit_status=proc.returncode,
               interrupted_at_budget=interrupted, **counts, failures=failures,
+              log=ctx.tests_log, log_tail=tail,
               summary=f"{counts['passed']} passed, {counts['failed']} failed, "
                       f"{counts['errors']} errors, {counts['skipped']} skipped"
                       + (" (budget: interrupted)" if interrupted else ""))

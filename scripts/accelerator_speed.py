@@ -60,7 +60,9 @@ def sampler(ctx: parts.Context, deadline: parts.Deadline) -> dict:
       subject = ctx.subject(name)
       cfg = subject.cfg.replace(dtype="bfloat16")
       prompts = bench_sampler.chat_prompts(subject.tokenizer, batch)
-      ours = bench_sampler.bench_ours(cfg, subject.params, subject.tokenizer, prompts,
+      # Random weights sample ids beyond the (SmolLM2) tokenizer's vocabulary: no texts.
+      ours = bench_sampler.bench_ours(cfg, subject.params,
+                                      subject.tokenizer if subject.hf_dir else None, prompts,
                                       sz.sampler_new_tokens, sz.repeats)
       run = dict(model=subject.name, batch=batch, new_tokens=sz.sampler_new_tokens,
                  ours={k: ours[k] for k in ("tokens_per_s", "decode_tokens_per_s",
@@ -84,6 +86,9 @@ def sampler(ctx: parts.Context, deadline: parts.Deadline) -> dict:
       print(f"[accelerator_check] sampler: {subject.name} batch {batch}: "
             f"{ours['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
   hf_models.clear()
+  if device == "cuda":  # give PyTorch's cached blocks back before the learner's JAX steps
+    import torch  # pylint: disable=g-import-not-at-top
+    torch.cuda.empty_cache()
   return dict(dtype="bfloat16", measured_read_bandwidth_gb_per_s=bandwidth,
               torch_device=device, runs=runs, skipped_for_budget=skipped,
               summary=", ".join(f"{r['model'].split()[0]} b{r['batch']} "
@@ -160,7 +165,8 @@ def _learner_case(config, cfg, S: int, M: int, steps: int) -> dict:
               compiled_gib=dict(total=compiled_bytes / GIB, temp=m.temp_size_in_bytes / GIB,
                                 arguments=m.argument_size_in_bytes / GIB),
               device_peak_gib_so_far=_device_peak_gib(),
-              memory_plan_learner_peak_gib=plan_bytes / GIB)
+              memory_plan_learner_peak_gib=plan_bytes / GIB,
+              compiled_over_plan=compiled_bytes / plan_bytes)
 
 
 @parts.PARTS.register("learner")
@@ -171,9 +177,9 @@ def learner_step(ctx: parts.Context, deadline: parts.Deadline) -> dict:
   against scripts/memory_plan.py's learner peak (one device, one sequence per micro-batch)."""
   sz = ctx.sizes
   config = importlib.import_module("configs.qwen1_5b").get_config()
-  base = ctx.subject("qwen").cfg.replace(dtype="bfloat16", param_dtype="float32",
-                                         remat="full")
-  base = base.replace(vocab_size=sz.learner_vocab or base.vocab_size)
+  model_cfg = lambda: ctx.subject("qwen").cfg.replace(
+      dtype="bfloat16", param_dtype="float32", remat="full",
+      vocab_size=sz.learner_vocab or ctx.subject("qwen").cfg.vocab_size)
   # The fused kernels first (what `auto` picks), so a short budget measures them.
   implementations = sz.learner_attention or [n for n in reversed(attention.supported())
                                              if n != "auto"]
@@ -184,14 +190,15 @@ def learner_step(ctx: parts.Context, deadline: parts.Deadline) -> dict:
         skipped.append(f"{impl} S={S}")
         continue
       try:
-        cases.append(_learner_case(config, base.replace(attention=impl), S,
+        cases.append(_learner_case(config, model_cfg().replace(attention=impl), S,
                                    sz.learner_micro_batches, sz.learner_steps))
       except Exception as e:  # pylint: disable=broad-except
         cases.append(dict(attention=impl, S=S, error=parts.describe(e)))
       print(f"[accelerator_check] learner: {json.dumps(cases[-1])}", file=sys.stderr,
             flush=True)
   ran = [c for c in cases if "error" not in c]
-  return dict(model=ctx.subject("qwen").name, dtype="bfloat16", param_dtype="float32",
+  return dict(model=ctx.subject("qwen").name if ran else None, dtype="bfloat16",
+              param_dtype="float32",
               remat="full", peak_bf16_tflops=_peak_tflops(),
               mfu_definition="6 x matmul params + 6 x L x H x Dh x S (causal attention) "
                              "FLOPs per token over the dense bf16 peak",

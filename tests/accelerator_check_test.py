@@ -72,6 +72,16 @@ def test_smoke_figures_are_plausible(smoke):
   assert 0 <= step["batch/solved"] <= 1 and step["timing_s/step"] > 0
 
 
+def test_render_gives_one_row_per_part_and_tables(smoke, tmp_path, capsys):
+  path = tmp_path / "report.json"
+  path.write_text(json.dumps(smoke))
+  assert accelerator_check.main(["--render", str(path)]) == 0
+  text = capsys.readouterr().out
+  for name, part in smoke["parts"].items():
+    assert f"| {name} | {part['status']} |" in text
+  assert "| attention | S | micro_batches | step_s |" in text  # the learner's cases
+
+
 def test_an_expired_budget_leaves_measurements_out(tmp_path, smollm2_hf_dir):
   del smollm2_hf_dir
   report = run_check(tmp_path, "--parts", "learner", "--budget", "learner=0")
