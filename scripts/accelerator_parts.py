@@ -245,11 +245,16 @@ def parity(ctx: Context, deadline: Deadline) -> dict:
       logits = np.asarray(forward(policy.params, jnp.asarray(ids))[0])
     logp = np.asarray(jax.nn.log_softmax(logits))
     err = np.abs(logp - ref_logp)
+    # The sequence's own next tokens: the log-probs a policy-gradient loss uses.
+    take = lambda x: np.take_along_axis(x[:, :-1], ids[:, 1:, None], axis=-1)
+    target_err = np.abs(take(logp) - take(ref_logp))
     tolerance = 1e-3 if dtype == "float32" else 4 * float(torch_bf16_err)
     row = dict(dtype=dtype, matmul_precision=precision,
                max_abs_logit_diff=float(np.abs(logits - ref_logits).max()),
                mean_abs_logit_diff=float(np.abs(logits - ref_logits).mean()),
                max_abs_logp_diff=float(err.max()), mean_abs_logp_diff=float(err.mean()),
+               max_abs_next_token_logp_diff=float(target_err.max()),
+               mean_abs_next_token_logp_diff=float(target_err.mean()),
                tolerance_max_abs_logp=tolerance, within_tolerance=bool(err.max() <= tolerance))
     rows.append(row)
     if not row["within_tolerance"]:
@@ -300,7 +305,8 @@ def logprob_gap(ctx: Context, deadline: Deadline) -> dict:
 
 @PARTS.register("train")
 def train(ctx: Context, deadline: Deadline) -> dict:
-  """ExGRPO steps of the config's run (its own dtype and sizes) until the deadline."""
+  """ExGRPO steps of the config's run (its own dtype and sizes) until the deadline (at
+  least one)."""
   sz = ctx.sizes
   config = importlib.import_module(f"configs.{sz.train_config}").get_config()
   config.train.steps = sz.train_max_steps
@@ -313,7 +319,8 @@ def train(ctx: Context, deadline: Deadline) -> dict:
   setup_s = time.perf_counter() - start
   steps = []
   try:
-    while len(steps) < sz.train_max_steps and not deadline.passed():
+    # At least one step, however short the budget: the point is a real step on the device.
+    while len(steps) < sz.train_max_steps and not (steps and deadline.passed()):
       metrics = trainer.train_step()
       steps.append({k: float(metrics[k]) for k in (
           "batch/solved", "batch/fresh_solved", "experience/batch_size",

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -120,3 +121,20 @@ def test_bundle_split_and_join_round_trip(tmp_path):
   assert proc.returncode != 0 and "does not match" in proc.stderr
   proc = bundle("join", str(tmp_path / "out3"), str(part1))  # a part missing
   assert proc.returncode != 0 and "does not match" in proc.stderr
+
+
+def test_a_raising_part_is_recorded_and_the_next_still_runs():
+  from exgrpo_jax import registry  # pylint: disable=g-import-not-at-top
+  from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
+  table = registry.Registry("part")
+  table.register("learner")(lambda ctx, deadline: {}[("missing", "key")])
+  table.register("train")(lambda ctx, deadline: dict(summary="ran", failures=["over 1e-3"]))
+  runner = types.SimpleNamespace(PARTS=table, Deadline=parts.Deadline, Skip=parts.Skip,
+                                 describe=parts.describe)
+  records = [accelerator_check.PartRecord(name, 1.0) for name in ("learner", "train")]
+  for record in records:
+    accelerator_check.run_part(runner, record, ctx=None)
+  assert [(r.status, r.error) for r in records] == [
+      ("error", "KeyError: ('missing', 'key')"), ("failed", None)]
+  learner_row, train_row = accelerator_check.table(records).splitlines()[1:]
+  assert "KeyError" in learner_row and train_row.endswith("ran")
