@@ -16,7 +16,8 @@ the JSON has:
 * the roofline: decode FLOPs per step (matmuls + attention over the average context)
   divided by the matmul throughput measured on the model's own weight shapes at that
   batch size, and the memory-bandwidth bound (weight + KV bytes per step over the
-  measured read bandwidth), with our decode rate as a fraction of the roofline; since
+  measured read bandwidth; weights and cache in the model's compute dtype), with our
+  decode rate as a fraction of the roofline; since
   decode attention streams the KV cache (memory-bound, not in the FLOP count), also
   the bound of compute time plus the time to read the average context's KV once;
 * the compiled program's device memory (XLA memory_analysis).
@@ -166,22 +167,28 @@ def bench_schedulers(cfg, params, tokenizer, prompts, slots, samples, new_tokens
   return result
 
 
-def bench_transformers(hf_dir, tokenizer, prompts, new_tokens, repeats, device):
-  """tokens/s of transformers `generate` (fp32, left-padded batch, sampling at T = 1)."""
+def bench_transformers(hf_dir, tokenizer, prompts, new_tokens, repeats, device,
+                       dtype="float32"):
+  """tokens/s of transformers `generate` on the model in `hf_dir` (see `time_generate`)."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      hf_dir, dtype=torch.float32).to(device).eval()
+      hf_dir, dtype=getattr(torch, dtype)).to(device).eval()
+  return time_generate(model, tokenizer.pad_token_id, prompts, new_tokens, repeats, device)
+
+
+def time_generate(model, pad_id, prompts, new_tokens, repeats, device):
+  """tokens/s of transformers `generate` (left-padded batch, sampling at T = 1)."""
+  import torch  # pylint: disable=g-import-not-at-top
   width = max(map(len, prompts))
-  ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts],
-                     device=device)
+  ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
   mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
 
   def run():
     with torch.no_grad():
       out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                            top_p=1.0, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
-                           pad_token_id=tokenizer.pad_token_id)
+                           pad_token_id=pad_id)
     assert out.shape[1] == width + new_tokens
     if device != "cpu":
       torch.cuda.synchronize()
@@ -210,16 +217,20 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
 
   The matmul throughput is measured on a chain with the model's weight shapes and data
   dependencies (q, k, v from x; o; gate, up; down; per layer, then the LM head), i.e. a
-  decode step with attention, norms and sampling removed.
+  decode step with attention, norms and sampling removed, in the compute dtype (the
+  sampler's rollout copy of the weights and its KV cache are in it too).
   """
+  dtype = models.config.dtype_from_name(cfg.dtype)
+  itemsize = np.dtype(dtype).itemsize
   D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   layer = dict(q=(D, HD), k=(D, KD), v=(D, KD), o=(HD, D), gate=(D, F), up=(D, F),
                down=(F, D))
-  rng = np.random.default_rng(0)
-  weights = [{n: jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for n, s in layer.items()}
-             for _ in range(cfg.num_layers)]
-  head = jnp.asarray(rng.normal(0, 0.02, (D, V)), jnp.float32)
+  # Drawn on the device: a 1.5B-parameter model's weights take minutes from a host RNG.
+  keys = iter(jax.random.split(jax.random.key(0), cfg.num_layers * len(layer) + 1))
+  normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, dtype)
+  weights = [{n: normal(s) for n, s in layer.items()} for _ in range(cfg.num_layers)]
+  head = normal((D, V))
 
   @jax.jit
   def matmuls(x_BxD, weights, head):
@@ -229,7 +240,7 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
       x_BxD = x_BxD + jnp.tanh(x_BxD @ w["gate"]) * (x_BxD @ w["up"]) @ w["down"]
     return x_BxD @ head
 
-  x = jnp.ones((batch, D), jnp.float32)
+  x = jnp.ones((batch, D), dtype)
   jax.block_until_ready(matmuls(x, weights, head))
   seconds = median_time(lambda: jax.block_until_ready(matmuls(x, weights, head)), repeats)
   weight_count = cfg.num_layers * sum(a * b for a, b in layer.values()) + D * V
@@ -237,12 +248,12 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
   attention_flops = 4 * batch * cfg.num_layers * HD * context
   step_flops = matmul_flops + attention_flops
   throughput = matmul_flops / seconds
-  kv_bytes = 4 * 2 * cfg.num_layers * batch * KD * context
+  kv_bytes = itemsize * 2 * cfg.num_layers * batch * KD * context
   compute_s, kv_s = step_flops / throughput, kv_bytes / (bandwidth_gbs * 1e9)
   return dict(step_gflop=step_flops / 1e9, matmul_gflops_per_s=throughput / 1e9,
               roofline_tokens_per_s=batch / compute_s,
-              bandwidth_bound_tokens_per_s=batch * bandwidth_gbs * 1e9 / (4 * weight_count
-                                                                        + kv_bytes),
+              bandwidth_bound_tokens_per_s=batch * bandwidth_gbs * 1e9 / (
+                  itemsize * weight_count + kv_bytes),
               compute_plus_kv_read_tokens_per_s=batch / (compute_s + kv_s))
 
 

@@ -105,14 +105,29 @@ def attention_bytes(queries: int, keys: int, heads: int, kv_heads: int, head_dim
   return queries * per_query + keys * per_key + tiles + (queries * keys * 2 if gpu else 0)
 
 
+def activation_bytes(cfg, seqs: int, seq: int, tensor: int, remat: str, logprob_chunk: int,
+                     gpu: bool) -> int:
+  """One device's learner activations for a micro-batch of `seqs` sequences of `seq`
+  tokens: the residual stream saved per layer, one recomputed layer's attention and MLP,
+  and the chunked log-prob logits."""
+  L, D = cfg.num_layers, cfg.hidden_size
+  h_t, kv_t, f_t, v_t = (_split(cfg.num_heads, tensor), _split(cfg.num_kv_heads, tensor),
+                         _split(cfg.intermediate_size, tensor), _split(cfg.vocab_size, tensor))
+  act = _bytes(cfg.dtype)
+  saved = L if remat != "none" else L * 8  # remat off: ~8 tensors per layer
+  residual = seqs * saved * seq * D * act
+  attention = seqs * attention_bytes(seq, seq, h_t, kv_t, cfg.head_dim, act, gpu)
+  mlp = seqs * seq * f_t * act * 4
+  logits = 3 * logprob_chunk * v_t * 4
+  return residual + attention + mlp + logits
+
+
 def plan(cfg, c, devices: int, tensor: int, capacity: float, gpu: bool) -> dict:
   """Memory per device of config `c` for model `cfg` on a (devices/tensor, tensor) mesh."""
   mesh = jax.sharding.AbstractMesh((devices // tensor, tensor), ("fsdp", "tensor"))
   batch_shards = sharding.batch_shards(mesh)
-  L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-  H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  h_t, kv_t, f_t, v_t = (_split(H, tensor), _split(K, tensor), _split(F, tensor),
-                         _split(V, tensor))
+  L, H, K, Dh = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  h_t, kv_t = _split(H, tensor), _split(K, tensor)
   act = _bytes(cfg.dtype)
   prompt = padding.prompt_bucket(c.data.max_prompt_tokens)
   seq = prompt + c.rollout.max_new_tokens
@@ -123,12 +138,7 @@ def plan(cfg, c, devices: int, tensor: int, capacity: float, gpu: bool) -> dict:
 
   def activations(micro: int) -> int:
     seqs = micro // batch_shards if micro % batch_shards == 0 else micro
-    saved = L if c.model.remat != "none" else L * 8  # remat off: ~8 tensors per layer
-    residual = seqs * saved * seq * D * act
-    attention = seqs * attention_bytes(seq, seq, h_t, kv_t, Dh, act, gpu)
-    mlp = seqs * seq * f_t * act * 4
-    logits = 3 * c.train.logprob_chunk * v_t * 4
-    return residual + attention + mlp + logits
+    return activation_bytes(cfg, seqs, seq, tensor, c.model.remat, c.train.logprob_chunk, gpu)
 
   def rollout(rows: int) -> tuple[int, int]:
     rows_dev = rows // batch_shards if rows % batch_shards == 0 else rows

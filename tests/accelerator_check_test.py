@@ -1,0 +1,139 @@
+"""scripts/accelerator_check.py --smoke end to end on CPU, its budgets and flags, and the
+split/join of scripts/accelerator_bundle.sh (no download)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from scripts import accelerator_check
+from tests import conftest
+
+SCRIPT = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator_check.py")
+BUNDLE = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator_bundle.sh")
+HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+
+
+def run_check(tmp_path, *args) -> dict:
+  out = tmp_path / "check.json"
+  env = dict(os.environ, PYTHONPATH=conftest.REPO_ROOT)
+  proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args],
+                        cwd=conftest.REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, smollm2_hf_dir):
+  del smollm2_hf_dir  # the tiny models use the embedded SmolLM2's tokenizer
+  return run_check(tmp_path_factory.mktemp("smoke"))
+
+
+def test_smoke_runs_every_part(smoke):
+  parts = smoke["parts"]
+  assert list(parts) == list(accelerator_check.ORDER)
+  expected = {name: "ok" for name in parts}
+  if not HAS_TORCH:
+    expected["parity"] = "skipped"
+  assert {n: p["status"] for n, p in parts.items()} == expected, {
+      n: p["error"] for n, p in parts.items()}
+  assert smoke["ok"] and smoke["environment"]["backend"] == "cpu"
+  assert smoke["environment"]["versions"]["jax"]
+
+
+def test_smoke_figures_are_plausible(smoke):
+  figures = {name: part["figures"] for name, part in smoke["parts"].items()}
+  tests = figures["tests"]
+  assert tests["passed"] > 0 and tests["failed"] == tests["errors"] == 0, tests
+  if HAS_TORCH:
+    rows = figures["parity"]["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "float32", "bfloat16"]
+    assert all(r["within_tolerance"] for r in rows), rows
+    assert rows[0]["max_abs_logp_diff"] < 1e-3
+    assert rows[2]["max_abs_logp_diff"] > rows[0]["max_abs_logp_diff"]
+  runs = figures["sampler"]["runs"]
+  assert {r["model"] for r in runs} == {"tiny random llama", "tiny random qwen2"}
+  for run in runs:
+    assert run["ours"]["tokens_per_s"] > 0 and run["hbm_bound_tokens_per_s"] > 0
+    if HAS_TORCH:
+      assert run["transformers"]["tokens_per_s"] > 0
+  (case,) = figures["learner"]["cases"]
+  assert case["step_s"] > 0 and case["tokens_per_s"] > 0, case
+  assert case["compiled_gib"]["total"] > 0 and case["memory_plan_learner_peak_gib"] > 0
+  float32, bfloat16 = figures["gap"]["rows"]
+  assert float32["tokens"] == bfloat16["tokens"] > 0
+  assert float32["max_abs_delta_logp"] < 1e-3 and float32["fraction_ratio_off_by_1pct"] == 0
+  assert bfloat16["mean_abs_delta_logp"] > float32["mean_abs_delta_logp"]
+  (step,) = figures["train"]["steps"]
+  assert 0 <= step["batch/solved"] <= 1 and step["timing_s/step"] > 0
+
+
+def test_render_gives_one_row_per_part_and_tables(smoke, tmp_path, capsys):
+  path = tmp_path / "report.json"
+  path.write_text(json.dumps(smoke))
+  assert accelerator_check.main(["--render", str(path)]) == 0
+  text = capsys.readouterr().out
+  for name, part in smoke["parts"].items():
+    assert f"| {name} | {part['status']} |" in text
+  assert "| attention | S | micro_batches | step_s |" in text  # the learner's cases
+
+
+def test_an_expired_budget_leaves_measurements_out(tmp_path):
+  report = run_check(tmp_path, "--parts", "learner", "--budget", "learner=0")
+  assert list(report["parts"]) == ["learner"]
+  learner = report["parts"]["learner"]
+  assert learner["status"] == "ok" and learner["figures"]["cases"] == []
+  assert learner["figures"]["skipped_for_budget"] == ["blockwise S=64"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "sampler"], "--budget 'sampler': expected PART=SECONDS"),
+    (["--parts", "tests,speed"], "--parts: unknown speed"),
+])
+def test_bad_flags_give_one_line(argv, message):
+  with pytest.raises(SystemExit, match=message):
+    accelerator_check.main(argv)
+
+
+def bundle(*args):
+  return subprocess.run(["bash", BUNDLE, *args], capture_output=True, text=True)
+
+
+def test_bundle_split_and_join_round_trip(tmp_path):
+  original = tmp_path / "model.whl"
+  original.write_bytes(os.urandom(100_003))
+  assert bundle("split", str(original), str(tmp_path / "parts"), "2").returncode == 0
+  part0, part1 = tmp_path / "parts" / "part0", tmp_path / "parts" / "part1"
+  assert sorted(p.name for p in part1.iterdir()) == ["model.whl.1", "model.whl.sha256"]
+  assert bundle("join", str(tmp_path / "out"), str(part0), str(part1)).returncode == 0
+  assert (tmp_path / "out" / "model.whl").read_bytes() == original.read_bytes()
+
+  damaged = bytearray((part0 / "model.whl.0").read_bytes())
+  damaged[7] ^= 1
+  (part0 / "model.whl.0").write_bytes(bytes(damaged))
+  proc = bundle("join", str(tmp_path / "out2"), str(part0), str(part1))
+  assert proc.returncode != 0 and "does not match" in proc.stderr
+  proc = bundle("join", str(tmp_path / "out3"), str(part1))  # a part missing
+  assert proc.returncode != 0 and "does not match" in proc.stderr
+
+
+def test_a_raising_part_is_recorded_and_the_next_still_runs():
+  from exgrpo_jax import registry  # pylint: disable=g-import-not-at-top
+  from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
+  table = registry.Registry("part")
+  table.register("learner")(lambda ctx, deadline: {}[("missing", "key")])
+  table.register("train")(lambda ctx, deadline: dict(summary="ran", failures=["over 1e-3"]))
+  runner = types.SimpleNamespace(PARTS=table, Deadline=parts.Deadline, Skip=parts.Skip,
+                                 describe=parts.describe)
+  records = [accelerator_check.PartRecord(name, 1.0) for name in ("learner", "train")]
+  for record in records:
+    accelerator_check.run_part(runner, record, ctx=None)
+  assert [(r.status, r.error) for r in records] == [
+      ("error", "KeyError: ('missing', 'key')"), ("failed", None)]
+  learner_row, train_row = accelerator_check.table(records).splitlines()[1:]
+  assert "KeyError" in learner_row and train_row.endswith("ran")
