@@ -96,6 +96,11 @@ def _decode_step(cfg, params, layers, caches, valid_BxS, index, token_B):
   return logits_BxV, caches, valid_BxS
 
 
+def bucket(n: int) -> int:
+  """Power of two up to 64, then the next multiple of 64 (batch shapes of the engine)."""
+  return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
+
+
 def phases_for(max_new_tokens: int) -> int:
   """How many phases the decode loop's cache grows in (see `generate`)."""
   return 1 if max_new_tokens < _LONG_ROLLOUT else _PHASES
