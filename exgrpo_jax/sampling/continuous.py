@@ -17,7 +17,7 @@ attends to its slots through its mask (reset at admission, so the slot's previou
 invisible). Positions are counted per row (prompt length + tokens emitted), so the row
 computes what the static loop computes. Every step attends to the whole window, so W
 follows the oldest live row: before each chunk it becomes the smallest of a few sizes
-(the static loop's phase ends, `decode.phases_for`) that holds every live row's next
+(the static loop's phase ends, `decode.phase_ends`) that holds every live row's next
 `steps` slots, and `slots.resize` cuts or pads the cache when that changes. Row r still
 draws its step-t token from fold_in(fold_in(key, r), t), so its output depends neither
 on its slot nor on its neighbours.
@@ -25,11 +25,10 @@ on its slot nor on its neighbours.
 Why the host between chunks rather than one `lax.while_loop` with the refill inside:
 the refill needs a prefill, whose size (how many new prompts) varies from refill to
 refill, and stop strings are only known to the tokenizer; between chunks both are plain
-host decisions with static shapes (prompt counts bucketed to 0, 1, 2, 4, ... `_MAX_PROMPTS`;
-window sizes),
-and stop strings free their slot early. The price, which docs/sampler_performance.md
-measures, is a host round trip per chunk and up to `steps` - 1 idle steps of a slot whose
-row ends inside a chunk.
+host decisions with static shapes (prompt counts bucketed to 0, 1, 2, 4, ...
+`_MAX_PROMPTS`; a few window sizes), and stop strings free their slot early. The price,
+which docs/sampler_performance.md measures, is a host round trip per chunk and up to
+`steps` - 1 idle steps of a slot whose row ends inside a chunk.
 """
 
 import time
@@ -73,7 +72,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
                  top_k=0 if sampling.is_greedy else sampling.top_k,
                  use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                  return_entropy=sampling.return_entropy)
-  sizes = [-(-N * (k + 1) // windows) for k in range(windows)]
+  sizes = decode.phase_ends(N, windows)
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, prompt_len=prompt_len, width=sizes[0], mesh=mesh))(params, key)
@@ -100,7 +99,9 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       break
     live = slot_row_B >= 0
     need = min(N, int(lengths_R[slot_row_B[live]].max()) + engine.chunk_steps)
-    if width != (width := next(w for w in sizes if w >= need)):
+    fit = next(w for w in sizes if w >= need)
+    if fit != width:
+      width = fit
       state = engine.compiled(slots_lib.resize, (state,), dict(
           size=prompt_len + width, mesh=mesh), takes_cfg=False)(state)
     args = (params, layers, state, np.int32(prompt_len), *scalars)

@@ -111,8 +111,8 @@ class JaxEngine:
     # were waiting; host_s, admit_s: host time between chunks, and admissions (dispatch
     # only: admissions run on the device while the host goes on).
     self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0,
-                      slot_steps=0, attended_slots=0, prefills=0, chunk_idle_steps=0, host_s=0.0, admit_s=0.0,
-                      memory={})
+                      slot_steps=0, attended_slots=0, prefills=0, chunk_idle_steps=0,
+                      host_s=0.0, admit_s=0.0, memory={})
 
   def update_weights(self, params) -> None:
     """Nothing to do: the current params are an argument of every call."""
@@ -208,7 +208,7 @@ class JaxEngine:
     result = sharding.to_host(self.compiled(decode.generate, args, static)(*args))
     steps, N = int(result["lengths_B"].max()), sampling.max_new_tokens
     self.stats["slot_steps"] += B * steps
-    ends = [-(-N * (k + 1) // static["phases"]) for k in range(static["phases"])]
+    ends = decode.phase_ends(N, static["phases"])
     self.stats["attended_slots"] += sum(
         (L + end) * min(max(steps - start, 0), end - start)
         for start, end in zip([0] + ends[:-1], ends))
