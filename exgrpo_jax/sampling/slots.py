@@ -60,6 +60,7 @@ def empty(cfg, params, key, *, slots: int, prompt_len: int, width: int, mesh=Non
 
 
 def _constrain(state: Slots, mesh) -> Slots:
+  """`state` with every array split over the mesh's batch axes."""
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
       x, sharding.batch_sharding(mesh, x.shape)), state)
 
