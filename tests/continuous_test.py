@@ -61,11 +61,37 @@ def test_every_slot_count_gives_the_static_rows(eos_model, config):
   engine = sampling.make_engine("jax", cfg, None, chunk_steps=CHUNK)
   prompt_index = ref.prompt_index_N
   raw = continuous.generate(engine, PROMPTS, prompt_index, np.arange(prompt_index.size),
-                            params, key, config, prompt_len=32, slots=11)
+                            params, key, config, prompt_len=32, slots=11, windows=1)
   np.testing.assert_array_equal(raw["lengths_B"], ref.lengths_N)
   np.testing.assert_array_equal(np.where(ref.mask_NxT, raw["tokens_BxN"], 0),
                                 np.where(ref.mask_NxT, ref.tokens_NxT, 0))
   np.testing.assert_allclose(raw["logprobs_BxN"], ref.logprobs_NxT, rtol=0, atol=1e-5)
+
+
+def test_decode_windows_that_grow_and_shrink_give_the_static_rows(eos_model, monkeypatch):
+  """With 3 window sizes (4, 8, 12 slots for 12 new tokens, chunks of 4), the window
+  follows the oldest live row: it grows, and shrinks when that row ends, mid-run."""
+  cfg, params = eos_model
+  key = jax.random.key(3)
+  ref = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
+      PROMPTS, COUNTS, params, key, SAMPLED)
+  for slots in (1, 2, 3, 5):
+    engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=CHUNK,
+                                  cache_phases=3)
+    sizes = []
+    compiled = engine.compiled
+
+    def spy(program, args, static, takes_cfg=True):
+      if program is continuous.slots_lib.resize:
+        sizes.append(static["size"])
+      return compiled(program, args, static, takes_cfg)
+
+    monkeypatch.setattr(engine, "compiled", spy)
+    assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, SAMPLED), ref)
+    grew, shrank = np.diff(sizes) > 0, np.diff(sizes) < 0
+    assert grew.any() and shrank.any(), sizes
+    # Fewer slots attended than with the whole cache (prompt bucket 32 + 12) at every step.
+    assert engine.stats["attended_slots"] < (32 + 12) * engine.stats["slot_steps"] // slots
 
 
 def test_rows_keep_their_draws_whatever_their_slot(eos_model):
@@ -84,8 +110,9 @@ def test_rows_keep_their_draws_whatever_their_slot(eos_model):
 
 def test_prompts_are_prefilled_once_and_programs_compiled_once(eos_model):
   """A prompt's rows share its prefill even when they enter in different refills (3
-  slots, groups of 2 and 3 rows). The programs: prepare, empty, decode, and an admit per
-  count of new prompts (0, 1, 2, 4); new weights, keys or sampling switches compile none."""
+  slots, groups of 2 and 3 rows). The programs: prepare, empty, decode, place, and an
+  admit per count of new prompts (0, 1, 2, 4); new weights, keys or sampling switches
+  compile none."""
   cfg, params = eos_model
   engine = sampling.make_engine("jax", cfg, None, max_rows=3, chunk_steps=CHUNK)
   for counts, prompts_used in (([2, 0, 3, 1, 2], 4), ([3, 0, 1, 2, 3], 4), ([1, 0, 1, 0, 8], 3)):

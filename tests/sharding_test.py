@@ -106,8 +106,10 @@ def _child(outdir: str) -> None:
           greedy)
       summary[name].update(greedy=out.tokens_NxT.tolist(),
                            greedy_logp=out.logprobs_NxT.tolist())
-      # Continuous batching: the 12 rows through 8 slots, sharded over the batch axes.
-      out = sampling.make_engine("jax", cfg, None, max_rows=8, chunk_steps=4).generate(
+      # Continuous batching: the 12 rows through 8 slots, sharded over the batch axes, in a
+      # decode window that grows (3 sizes).
+      out = sampling.make_engine("jax", cfg, None, max_rows=8, chunk_steps=4,
+                                 cache_phases=3).generate(
           prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
           greedy)
       summary[name].update(continuous=out.tokens_NxT.tolist(),

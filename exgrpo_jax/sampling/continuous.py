@@ -10,23 +10,25 @@ are admitted one after another; the last prompt an `admit` prefilled is kept on 
 (the carry), and its later rows copy its cache instead of prefilling it again: every
 prompt is prefilled once, as in the static loop.
 
-The cache of a slot has L prompt slots (left-padded, as the static loop's) and a ring of
-N = max_new_tokens decode slots. Every slot writes its step's key/value at the same ring
-slot, L + (g mod N) for the run's global step g, so the write is the static loop's
-in-place `dynamic_update_slice`; a row admitted at step g0 owns ring slots g0 ... g0+N-1
-(mod N), all distinct, and attends to them through its mask (reset at admission, so the
-slot's previous row is invisible). Positions are counted per row (prompt length + tokens
-emitted), so the row computes what the static loop computes, attention summing its terms
-in another order. Row r still draws its step-t token from fold_in(fold_in(key, r), t),
-so its output depends neither on its slot nor on its neighbours.
+The cache of a slot has L prompt slots (left-padded, as the static loop's) and a decode
+window of W slots; a row writes its step-t key/value at slot L + t, as in the static loop
+(each row at its own slot: a scatter rather than one `dynamic_update_slice`), and
+attends to its slots through its mask (reset at admission, so the slot's previous row is
+invisible). Positions are counted per row (prompt length + tokens emitted), so the row
+computes what the static loop computes. Every step attends to the whole window, so W
+follows the oldest live row: before each chunk it becomes the smallest of a few sizes
+(the static loop's phase ends, `decode.phase_ends`) that holds every live row's next
+`steps` slots, and `slots.resize` cuts or pads the cache when that changes. Row r still
+draws its step-t token from fold_in(fold_in(key, r), t), so its output depends neither
+on its slot nor on its neighbours.
 
 Why the host between chunks rather than one `lax.while_loop` with the refill inside:
 the refill needs a prefill, whose size (how many new prompts) varies from refill to
 refill, and stop strings are only known to the tokenizer; between chunks both are plain
-host decisions with static shapes (prompt counts bucketed to 0, 1, 2, 4, ... `_MAX_PROMPTS`),
-and stop strings free their slot early. The price, which docs/sampler_performance.md
-measures, is a host round trip per chunk and up to `steps` - 1 idle steps of a slot whose
-row ends inside a chunk.
+host decisions with static shapes (prompt counts bucketed to 0, 1, 2, 4, ...
+`_MAX_PROMPTS`; a few window sizes), and stop strings free their slot early. The price,
+which docs/sampler_performance.md measures, is a host round trip per chunk and up to
+`steps` - 1 idle steps of a slot whose row ends inside a chunk.
 """
 
 import time
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from exgrpo_jax import sharding
+from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
 from exgrpo_jax.sampling import slots as slots_lib
 
@@ -51,12 +54,13 @@ _STOP_LOOKBACK = 32
 
 
 def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, prompt_len,
-             slots: int):
+             slots: int, windows: int):
   """Decodes rows `rows_R` (global row ids) of prompts `prompt_index_R` in `slots` slots.
 
   `engine` is the calling `JaxEngine` (EOS ids, pad id, tokenizer, chunk length, compiled
-  programs and stats); `prompt_len` is the bucketed prompt length L. Returns the raw
-  per-row dict `outputs.finalize` takes, as the static loop does.
+  programs and stats); `prompt_len` is the bucketed prompt length L; the decode window
+  takes `windows` sizes (N / windows, 2N / windows, ... N). Returns the raw per-row dict
+  `outputs.finalize` takes, as the static loop does.
   """
   R, N, B = len(rows_R), sampling.max_new_tokens, slots
   mesh = sharding.mesh_of(params)
@@ -68,9 +72,11 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
                  top_k=0 if sampling.is_greedy else sampling.top_k,
                  use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                  return_entropy=sampling.return_entropy)
+  sizes = decode.phase_ends(N, windows)
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
-      slots=B, prompt_len=prompt_len, max_new_tokens=N, mesh=mesh))(params, key)
+      slots=B, prompt_len=prompt_len, width=sizes[0], mesh=mesh))(params, key)
+  width = sizes[0]
   row_keys_R = put(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
       key, jnp.asarray(rows_R, jnp.uint32)))
   admitter = _Admitter(engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
@@ -80,7 +86,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   ent_RxN = np.zeros((R, N), np.float32) if sampling.return_entropy else None
   lengths_R = np.zeros(R, np.int32)
   slot_row_B = np.full(B, -1)
-  waiting, step = 0, 0
+  waiting = 0
   while True:
     free = np.flatnonzero(slot_row_B < 0)[:R - waiting]
     if free.size:
@@ -91,13 +97,20 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       waiting += free.size
     if (slot_row_B < 0).all():
       break
-    args = (params, layers, state, np.int32(step), *scalars)
+    live = slot_row_B >= 0
+    need = min(N, int(lengths_R[slot_row_B[live]].max()) + engine.chunk_steps)
+    fit = next(w for w in sizes if w >= need)
+    if fit != width:
+      width = fit
+      state = engine.compiled(slots_lib.resize, (state,), dict(
+          size=prompt_len + width, mesh=mesh), takes_cfg=False)(state)
+    args = (params, layers, state, np.int32(prompt_len), *scalars)
     state, out = engine.compiled(slots_lib.decode_chunk, args, options)(*args)
     out = sharding.to_host(out)
     host_start = time.perf_counter()
     taken = int(out["taken"])
-    step += taken
     engine.stats["slot_steps"] += B * taken
+    engine.stats["attended_slots"] += (prompt_len + width) * taken
     release_B = np.zeros(B, bool)
     for b in np.flatnonzero(slot_row_B >= 0):
       r, start, end = slot_row_B[b], lengths_R[slot_row_B[b]], out["steps_B"][b]
@@ -160,7 +173,7 @@ class _Admitter:
   def _call(self, state, carry, rows, new_prompts, sources, slot_of_row):
     A, L = self.rows_per_call, self.L
     self.engine.stats["prefills"] += len(new_prompts)
-    P = 0 if not new_prompts else 1 << (len(new_prompts) - 1).bit_length()
+    P = decode.bucket(len(new_prompts)) if new_prompts else 0
     prompt_PxL = np.full((P, L), self.engine.pad_id, np.int32)
     valid_PxL = np.zeros((P, L), bool)
     for j, p in enumerate(new_prompts):
@@ -171,6 +184,8 @@ class _Admitter:
     slot_A = np.full(A, self.B, np.int32)  # B: out of range, dropped
     slot_A[:len(slot_of_row)] = slot_of_row
     keys_A = jnp.take(self.row_keys_R, jnp.asarray(np.resize(rows, A)), axis=0)
-    args = (self.params, state, carry, *self.put((prompt_PxL, valid_PxL, source_A, slot_A)),
-            keys_A, self.put(np.int32(sources[-1])))
-    return self.engine.compiled(slots_lib.admit, args, {})(*args)
+    args = (self.params, carry, *self.put((prompt_PxL, valid_PxL, source_A)),
+            self.put(np.int32(sources[-1])))
+    admitted, carry = self.engine.compiled(slots_lib.admit, args, {})(*args)
+    args = (state, admitted, self.put(slot_A), keys_A)
+    return self.engine.compiled(slots_lib.place, args, {}, takes_cfg=False)(*args), carry

@@ -96,9 +96,19 @@ def _decode_step(cfg, params, layers, caches, valid_BxS, index, token_B):
   return logits_BxV, caches, valid_BxS
 
 
+def bucket(n: int) -> int:
+  """Power of two up to 64, then the next multiple of 64 (batch shapes of the engine)."""
+  return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
+
+
 def phases_for(max_new_tokens: int) -> int:
   """How many phases the decode loop's cache grows in (see `generate`)."""
   return 1 if max_new_tokens < _LONG_ROLLOUT else _PHASES
+
+
+def phase_ends(max_new_tokens: int, phases: int) -> list[int]:
+  """The decode steps at which each phase ends: its cache holds L + that many slots."""
+  return [-(-max_new_tokens * (k + 1) // phases) for k in range(phases)]
 
 
 def _pad_slots(caches, valid_BxS, slots: int):
@@ -173,8 +183,7 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
            jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32),
            jnp.zeros((B, N), jnp.float32) if return_entropy else None)
   start = 0
-  for phase in range(phases):
-    end = -(-N * (phase + 1) // phases)
+  for end in phase_ends(N, phases):
     t, caches, valid_BxS, *rest = state
     state = (t, *_pad_slots(caches, valid_BxS, end - start), *rest)
     state = jax.lax.while_loop(cond(end), body, state)

@@ -9,11 +9,16 @@ weight, XLA:CPU transposed that weight on every decode step (~2% of a SmolLM2 st
 batch 64). q/k/v stay separate matmuls (one [D, (H+2K)*Dh] matmul was no faster on CPU),
 and gate/up are stacked on a new axis rather than concatenated, so that under tensor
 parallelism each device's part of the product lines up with its shard of F.
+
+The new key/value goes to one cache slot shared by every row (the static loop: an
+in-place `dynamic_update_slice`) or to one slot per row (continuous batching, whose rows
+are at different steps: a scatter of B x K x Dh values, also in place).
 """
 
 import jax
 import jax.numpy as jnp
 
+from exgrpo_jax.models import attention as attention_lib
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import transformer
 
@@ -38,8 +43,8 @@ def prepare(cfg, layer_params):
 def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
   """One token per row through one layer; returns (x_BxD, updated (k, v) cache).
 
-  w: `prepare`'s output. cache_kv: (k_BxKxDhxS, v_BxKxSxDh, index) as
-  `transformer.attend` takes it.
+  w: `prepare`'s output. cache_kv: (k_BxKxDhxS, v_BxKxSxDh, index), index a scalar (the
+  slot of every row) or int32 [B] (each row's slot; out of range: the row writes nothing).
   """
   B = x_BxD.shape[0]
   norm = lambda scale, x: transformer.RMSNorm(cfg).apply({"params": scale}, x)
@@ -52,7 +57,8 @@ def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
     return y_BxNxDh[:, None]
 
   inv_freq = transformer.rope_inv_freq(cfg)
-  out_Bx1xHxDh, new_kv = transformer.attend(
+  attend = transformer.attend if jnp.ndim(cache_kv[2]) == 0 else _attend_per_row
+  out_Bx1xHxDh, new_kv = attend(
       transformer.apply_rope(project("q_proj"), positions_Bx1, inv_freq),
       transformer.apply_rope(project("k_proj"), positions_Bx1, inv_freq), project("v_proj"),
       mask_Bx1xS, cache_kv)
@@ -61,3 +67,14 @@ def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
                              w["gate_up_Dx2xF"])
   h_BxF = jax.nn.silu(gate_up_Bx2xF[:, 0]) * gate_up_Bx2xF[:, 1]
   return x_BxD + jnp.einsum("bf,fd->bd", h_BxF, w["down_FxD"]), new_kv
+
+
+def _attend_per_row(q_Bx1xHxDh, k_Bx1xKxDh, v_Bx1xKxDh, mask_Bx1xS, cache_kv):
+  """`transformer.attend` with the new key/value written at each row's own slot."""
+  k_BxKxDhxS, v_BxKxSxDh, index_B = cache_kv
+  b_B = jnp.arange(q_Bx1xHxDh.shape[0])
+  k_BxKxDhxS = k_BxKxDhxS.at[b_B, :, :, index_B].set(k_Bx1xKxDh[:, 0], mode="drop")
+  v_BxKxSxDh = v_BxKxSxDh.at[b_B, :, index_B].set(v_Bx1xKxDh[:, 0], mode="drop")
+  out_Bx1xHxDh = attention_lib.einsum_attention(q_Bx1xHxDh, k_BxKxDhxS, v_BxKxSxDh,
+                                                mask_Bx1xS)
+  return out_Bx1xHxDh, (k_BxKxDhxS, v_BxKxSxDh)

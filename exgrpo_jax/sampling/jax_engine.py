@@ -49,11 +49,6 @@ SCHEDULERS = ("continuous", "static")
 _COMPILED = {}
 
 
-def bucket(n: int) -> int:
-  """Power of two up to 64, then the next multiple of 64."""
-  return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
-
-
 def length_bucket(n: int, minimum: int) -> int:
   """n rounded up to a multiple of max(minimum, next power of two / 8)."""
   step = max(minimum, (1 << max(n - 1, 0).bit_length()) // 8)
@@ -74,7 +69,8 @@ class JaxEngine:
     ignore_eos: never stop on EOS (benchmarks: every row decodes max_new_tokens).
     rules: logical-axis rules of the rollout copy of sharded params.
     cache_phases: how many phases the KV cache grows in during decoding
-      (`decode.generate`); None: `decode.phases_for(max_new_tokens)`.
+      (`decode.generate`), and how many sizes the continuous loop's decode window takes
+      (`continuous`); None: `decode.phases_for(max_new_tokens)`.
     scheduler: "continuous" or "static" (see the module docstring).
     chunk_steps: continuous scheduling's decode steps per device call (rows that end
       inside a chunk leave their slot idle until its end).
@@ -109,13 +105,14 @@ class JaxEngine:
                                             pad_token_id=None)
     # slot_steps: decode steps times the rows decoded alongside (padding rows and ended
     # rows included); new_tokens / slot_steps is the fraction of decode work that was used.
+    # attended_slots: decode steps times the cache slots each row's step attends to.
     # prefills: prompts run through the model (padding excluded). Continuous scheduling
     # only: chunk_idle_steps, slot-steps of slots whose row ended inside a chunk while rows
     # were waiting; host_s, admit_s: host time between chunks, and admissions (dispatch
     # only: admissions run on the device while the host goes on).
     self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0,
-                      slot_steps=0, prefills=0, chunk_idle_steps=0, host_s=0.0, admit_s=0.0,
-                      memory={})
+                      slot_steps=0, attended_slots=0, prefills=0, chunk_idle_steps=0,
+                      host_s=0.0, admit_s=0.0, memory={})
 
   def update_weights(self, params) -> None:
     """Nothing to do: the current params are an argument of every call."""
@@ -137,7 +134,8 @@ class JaxEngine:
     if self.scheduler == "continuous" and prompt_index_N.size > (self.max_rows or np.inf):
       parts = [continuous.generate(
           self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
-          sampling, self._prompt_bucket(prompt_ids, prompt_index_N), self.max_rows)]
+          sampling, self._prompt_bucket(prompt_ids, prompt_index_N), self.max_rows,
+          self._phases(sampling))]
     else:
       parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key,
                                    sampling) for rows in self._split(counts)]
@@ -181,7 +179,7 @@ class JaxEngine:
     """Runs one bucketed call for rows `rows_R` (global row ids) of prompts `prompt_index_R`."""
     prompts, row_prompt_R = np.unique(prompt_index_R, return_inverse=True)
     R, P = len(rows_R), len(prompts)
-    B, Pb = bucket(R), bucket(P)
+    B, Pb = decode.bucket(R), decode.bucket(P)
     L = self._prompt_bucket(prompt_ids, prompts)
     prompt_PxL = np.full((Pb, L), self.pad_id, np.int32)
     valid_PxL = np.zeros((Pb, L), bool)
@@ -206,26 +204,36 @@ class JaxEngine:
                   top_k=0 if sampling.is_greedy else sampling.top_k,
                   use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                   return_entropy=sampling.return_entropy,
-                  phases=self.cache_phases or decode.phases_for(sampling.max_new_tokens))
+                  phases=self._phases(sampling))
     result = sharding.to_host(self.compiled(decode.generate, args, static)(*args))
-    self.stats["slot_steps"] += B * int(result["lengths_B"].max())
+    steps, N = int(result["lengths_B"].max()), sampling.max_new_tokens
+    self.stats["slot_steps"] += B * steps
+    ends = decode.phase_ends(N, static["phases"])
+    self.stats["attended_slots"] += sum(
+        (L + end) * min(max(steps - start, 0), end - start)
+        for start, end in zip([0] + ends[:-1], ends))
     self.stats["prefills"] += P
     return {k: (None if v is None else v[:R]) for k, v in result.items()}
+
+  def _phases(self, sampling) -> int:
+    """Phases of the static loop's cache, sizes of the continuous loop's decode window."""
+    return self.cache_phases or decode.phases_for(sampling.max_new_tokens)
 
   def _prompt_bucket(self, prompt_ids, prompts) -> int:
     """The bucketed length L of these prompts' left-padded batch."""
     return length_bucket(max(len(prompt_ids[p]) for p in prompts), self.min_prompt_bucket)
 
-  def compiled(self, program, args, static):
-    """`program` (jitted, the model config its first argument) compiled for these
-    argument shapes and static options, once per process."""
+  def compiled(self, program, args, static, takes_cfg: bool = True):
+    """`program` (jitted; the model config its first argument if `takes_cfg`) compiled
+    for these argument shapes and static options, once per process."""
     signature = (program, self._program_cfg,
                  tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                        for a in jax.tree.leaves(args)),
                  tuple(sorted(static.items())))
     if signature not in _COMPILED:
       start = time.perf_counter()
-      _COMPILED[signature] = program.lower(self._program_cfg, *args, **static).compile()
+      cfg = (self._program_cfg,) if takes_cfg else ()
+      _COMPILED[signature] = program.lower(*cfg, *args, **static).compile()
       self.stats["compiles"] += 1
       self.stats["compile_s"] += time.perf_counter() - start
     memory = _COMPILED[signature].memory_analysis()
