@@ -168,6 +168,14 @@ def tables(result: dict) -> str:
         v = m["val"].get(f"{n}@{s}")
         cells.append("" if v is None else f"{pct(v['mean'])} ± {pct(v['std'])}")
     lines.append(f"| {method} | {len(m['seeds'])} | " + " | ".join(cells) + " |")
+  seeds = sorted({seed for m in result["_scores"].values() for seed in m})
+  last = steps[-1]
+  lines += ["", f"| method, step {last} (greedy / avg@4) | " + " | ".join(
+      f"seed {seed}" for seed in seeds) + " |", "|---|" + "---|" * len(seeds)]
+  for method, per_seed in result["_scores"].items():
+    cells = [f"{pct(per_seed[seed][last]['greedy'])} / {pct(per_seed[seed][last]['avg@4'])}"
+             if seed in per_seed and last in per_seed[seed] else "" for seed in seeds]
+    lines.append(f"| {method} | " + " | ".join(cells) + " |")
   lines += ["", "| paired difference | seeds | score | mean (points) | 95% t interval | "
             "seeds for / against |", "|---|---|---|---|---|---|"]
   for pair, by_step in result["paired"].items():

@@ -61,6 +61,7 @@ def test_paired_difference_budget_and_unfinished_runs(tmp_path):
   assert result["methods"]["exgrpo"]["rollouts"] == 64 - 6
   text = summarize_study.tables(result)
   assert "| exgrpo-onpolicy | 3 | greedy@4 | 7.3 |" in text
+  assert "| exgrpo | 60.0 / 50.0 | 42.0 / 50.0 | 55.0 / 50.0 |" in text
   paths = summarize_study.plot(result, str(tmp_path / "plots"))
   assert all(os.path.getsize(p) > 0 for p in paths)
 
