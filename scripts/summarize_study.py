@@ -124,6 +124,10 @@ def summarize(study: str) -> dict:
     spent = [budget(r, config) for r in seeds.values()]
     methods[method] = {
         "seeds": sorted(seeds), "val": table,
+        "solved_step1": float(np.mean([next(x["batch/solved"] for x in r if x["step"] == 1)
+                                       for r in seeds.values()])),
+        "solved_last3": float(np.mean([np.mean([x["batch/solved"] for x in r[-3:]])
+                                       for r in seeds.values()])),
         "final_entropy": float(np.mean([r.get("actor/entropy", np.nan) for r in final])),
         "final_length": float(np.mean([r["response_length/mean"] for r in final])),
         "replayed_questions": float(np.mean([sum(x.get("experience/batch_size", 0)
@@ -183,11 +187,12 @@ def tables(result: dict) -> str:
       ci = "n/a" if d["ci95"] is None else f"[{pct(d['ci95'][0])}, {pct(d['ci95'][1])}]"
       lines.append(f"| {pair} | {d['n']} | {key} | {pct(d['mean'])} | {ci} | "
                    f"{d['favour']} / {d['against']} |")
-  lines += ["", "| method | final entropy | final length | replayed questions | rollouts "
-            "generated | response tokens (approx.) | wall time / run |",
-            "|---|---|---|---|---|---|---|"]
+  lines += ["", "| method | batch accuracy, step 1 -> last 3 | final entropy | final length | "
+            "replayed questions | rollouts generated | response tokens (approx.) | "
+            "wall time / run |", "|---|---|---|---|---|---|---|---|"]
   for method, m in methods.items():
-    lines.append(f"| {method} | {m['final_entropy']:.3f} | {m['final_length']:.1f} | "
+    lines.append(f"| {method} | {m['solved_step1']:.3f} -> {m['solved_last3']:.3f} | "
+                 f"{m['final_entropy']:.3f} | {m['final_length']:.1f} | "
                  f"{m['replayed_questions']:.1f} | {m['rollouts']:.0f} | "
                  f"{m['tokens_approx']:.0f} | {m['wall_s'] / 60:.1f} min |")
   return "\n".join(lines) + "\n"
