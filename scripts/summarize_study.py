@@ -35,7 +35,7 @@ COLORS = dict(zip(METHOD_ORDER, ("C0", "C1", "C2", "C3")))
 SCORES = {"greedy": "val/greedy_score", "avg@4": "val/avg_score"}
 PAIRS = (("exgrpo", "onpolicy"), ("exgrpo", "no_shaping"), ("exgrpo", "no_tsel"))
 CURVES = {  # metric: (title, methods it applies to)
-    "batch/solved": ("training batch accuracy", None),
+    "batch/fresh_solved": ("training accuracy of the fresh rollouts", None),
     "actor/entropy": ("policy entropy (mean over response tokens)", None),
     "response_length/mean": ("response length (tokens)", None),
     "experience/questions": ("replay buffer: partially solved questions", "replay"),
@@ -124,9 +124,10 @@ def summarize(study: str) -> dict:
     spent = [budget(r, config) for r in seeds.values()]
     methods[method] = {
         "seeds": sorted(seeds), "val": table,
-        "solved_step1": float(np.mean([next(x["batch/solved"] for x in r if x["step"] == 1)
-                                       for r in seeds.values()])),
-        "solved_last3": float(np.mean([np.mean([x["batch/solved"] for x in r[-3:]])
+        # Fresh rollouts only: a replayed question's stored member is correct by design.
+        "solved_step1": float(np.mean([next(x["batch/fresh_solved"] for x in r
+                                            if x["step"] == 1) for r in seeds.values()])),
+        "solved_last3": float(np.mean([np.mean([x["batch/fresh_solved"] for x in r[-3:]])
                                        for r in seeds.values()])),
         "final_entropy": float(np.mean([r.get("actor/entropy", np.nan) for r in final])),
         "final_length": float(np.mean([r["response_length/mean"] for r in final])),
@@ -187,7 +188,7 @@ def tables(result: dict) -> str:
       ci = "n/a" if d["ci95"] is None else f"[{pct(d['ci95'][0])}, {pct(d['ci95'][1])}]"
       lines.append(f"| {pair} | {d['n']} | {key} | {pct(d['mean'])} | {ci} | "
                    f"{d['favour']} / {d['against']} |")
-  lines += ["", "| method | batch accuracy, step 1 -> last 3 | final entropy | final length | "
+  lines += ["", "| method | fresh-rollout accuracy, step 1 -> last 3 | final entropy | final length | "
             "replayed questions | rollouts generated | response tokens (approx.) | "
             "wall time / run |", "|---|---|---|---|---|---|---|---|"]
   for method, m in methods.items():

@@ -27,8 +27,8 @@ def _write_run(study, method, seed, steps=4, last=4):
   if method == "onpolicy":
     rows.append({"step": 0, "val/greedy_score": 0.3, "val/avg_score": 0.2})
   for step in range(1, last + 1):
-    row = {"step": step, "batch/solved": 0.5, "actor/entropy": 1.0,
-           "response_length/mean": 10.0, "timing_s/step": 2.0}
+    row = {"step": step, "batch/solved": 0.5, "batch/fresh_solved": 0.5,
+           "actor/entropy": 1.0, "response_length/mean": 10.0, "timing_s/step": 2.0}
     if method == "exgrpo" and step > 1:
       row["experience/batch_size"] = 2
     if step == steps:
