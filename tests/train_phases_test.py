@@ -173,3 +173,27 @@ def test_validation_metrics(tmp_path, shared_data_dir):
     assert 0 <= metrics["val/avg_score"] <= 1 and metrics["val/response_length"] > 0
   finally:
     trainer.close()
+
+
+@pytest.mark.slow  # compiles the sampler for two evaluation batches
+def test_validation_with_greedy_pass_scores_as_a_greedy_validation(tmp_path):
+  """`eval.greedy`: val/greedy_score is what a validation at temperature 0 reports as
+  val/avg_score on the same questions, beside the sampled avg@n."""
+  sampled = _trainer(tmp_path / "sampled", eval__source="arithmetic", eval__limit=8,
+                     eval__temperature=0.6, eval__n=2, eval__greedy=True)
+  greedy = _trainer(tmp_path / "greedy", eval__source="arithmetic", eval__temperature=0.0,
+                    eval__limit=8)
+  try:
+    both = sampled.grader.validate(sampled.engine, sampled.state.params,
+                                   sampled.state.tokenizer)
+    alone = greedy.grader.validate(greedy.engine, greedy.state.params,
+                                   greedy.state.tokenizer)
+    assert "val/greedy_score" not in alone
+    assert both["val/greedy_score"] == alone["val/avg_score"]
+    assert {k.replace("greedy_score", "test_score") for k in both
+            if k.startswith("val/greedy_score/")} == {k for k in alone
+                                                     if k.startswith("val/test_score/")}
+    assert 0 <= both["val/avg_score"] <= 1
+  finally:
+    sampled.close()
+    greedy.close()

@@ -55,32 +55,31 @@ class Grader:
       return {}
     if self._eval_questions is None:
       self._eval_questions = data.sources.load(config, "eval").questions
-    metrics = self._validate_pass(engine, params, tokenizer, "avg", cfg.temperature, cfg.n)
+    result = self._evaluate(engine, params, tokenizer, cfg.temperature, cfg.n,
+                            keep_responses=cfg.samples > 0)
+    self.eval_responses = result.get("responses", [])[:cfg.samples]
+    metrics = {f"val/test_score/{src}": v["avg@k"] for src, v in result["per_source"].items()}
+    metrics["val/avg_score"] = result["overall"]["avg@k"]
+    metrics["val/response_length"] = result["overall"]["mean_response_length"]
     if cfg.greedy and cfg.temperature > 0:
-      metrics.update(self._validate_pass(engine, params, tokenizer, "greedy", 0.0, 1))
+      result = self._evaluate(engine, params, tokenizer, 0.0, 1, keep_responses=False)
+      metrics.update({f"val/greedy_score/{src}": v["avg@k"]
+                      for src, v in result["per_source"].items()})
+      metrics["val/greedy_score"] = result["overall"]["avg@k"]
     return metrics
 
-  def _validate_pass(self, engine, params, tokenizer, name, temperature, n) -> dict:
-    config, cfg = self.config, self.config.eval
+  def _evaluate(self, engine, params, tokenizer, temperature, n, keep_responses) -> dict:
+    """One evaluation pass over the validation questions (`evaluation.evaluate`'s dict)."""
+    config = self.config
     # Same template (system prompt included) and length limit as the training prompts.
     options = evaluation.EvalOptions(template=config.data.template, remove_system=False,
                                      max_prompt_tokens=config.data.max_prompt_tokens,
-                                     n=n, keep_responses=cfg.samples > 0)
-    result = evaluation.evaluate(
+                                     n=n, keep_responses=keep_responses)
+    return evaluation.evaluate(
         engine, params, tokenizer, self._eval_questions,
         sampling.SamplingConfig(temperature=temperature, greedy=temperature == 0,
-                                max_new_tokens=cfg.max_new_tokens),
+                                max_new_tokens=config.eval.max_new_tokens),
         self.pool, jax.random.key(config.train.seed), options)
-    if name == "avg":
-      self.eval_responses = result.get("responses", [])[:cfg.samples]
-      metrics = {f"val/test_score/{src}": v["avg@k"]
-                 for src, v in result["per_source"].items()}
-      metrics["val/response_length"] = result["overall"]["mean_response_length"]
-    else:
-      metrics = {f"val/{name}_score/{src}": v["avg@k"]
-                 for src, v in result["per_source"].items()}
-    metrics[f"val/{name}_score"] = result["overall"]["avg@k"]
-    return metrics
 
   def close(self) -> None:
     self.pool.close()
