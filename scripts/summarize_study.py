@@ -101,9 +101,9 @@ def budget(rows: list[dict], config: dict) -> dict:
   """Rollouts generated: K per fresh question, K - 1 per replayed one (its stored solution
   is reused), and the tokens they hold."""
   per_step = config["train"]["batch_questions"] * config["rollout"]["k"]
-  fresh = [per_step - r.get("experience/batch_size", 0) for r in rows if r["step"] > 0]
-  tokens = [f * r["response_length/mean"] for f, r in zip(fresh, [r for r in rows
-                                                                   if r["step"] > 0])]
+  steps = [r for r in rows if r["step"] > 0]
+  fresh = [per_step - r.get("experience/batch_size", 0) for r in steps]
+  tokens = [f * r["response_length/mean"] for f, r in zip(fresh, steps)]
   return {"rollouts": int(sum(fresh)), "tokens_approx": int(sum(tokens))}
 
 
