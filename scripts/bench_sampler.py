@@ -34,8 +34,9 @@ alternating with the same key per pair, so both decode the same rows (the JSON c
 rows that are identical: a draw of a very unlikely token can flip under the 1e-5 float
 differences of another summation order, and the row then goes its own way).
 It reports tokens/s (compile time excluded), the useful fraction (generated tokens /
-slot-steps), decode steps, time per step (prefills and admissions included), the cache
-slots a step attends to on average, the continuous loop's host time and its slot-steps
+slot-steps), decode steps, time per step (prefills and admissions included), the slots
+a step decodes on average (below --batch-sizes when the continuous tail shrinks), the
+cache slots a step attends to on average, the continuous loop's host time and its slot-steps
 left idle until the end of a chunk, and the load average around every call.
 
 On an NVIDIA GPU the transformers model runs on CUDA, vLLM is timed when it imports, and
@@ -144,13 +145,14 @@ def bench_schedulers(cfg, params, tokenizer, prompts, slots, samples, new_tokens
       start = time.perf_counter()
       outs[name] = engine.generate(prompts, samples, params, jax.random.key(i), config)
       delta = {k: engine.stats[k] - before[k] for k in
-               ("compile_s", "slot_steps", "attended_slots", "new_tokens", "host_s",
-                "chunk_idle_steps")}
+               ("compile_s", "decode_steps", "slot_steps", "attended_slots", "new_tokens",
+                "host_s", "chunk_idle_steps")}
       seconds = time.perf_counter() - start - delta["compile_s"]
-      steps = delta["slot_steps"] // slots
+      steps = delta["decode_steps"]
       calls[name].append(dict(delta, seconds=seconds, tokens_per_s=delta["new_tokens"] / seconds,
                               useful_fraction=delta["new_tokens"] / delta["slot_steps"],
                               steps=steps, ms_per_step=1000 * seconds / steps,
+                              mean_slots=delta["slot_steps"] / steps,
                               mean_attended_slots=delta["attended_slots"] / steps,
                               load_before=load, load_after=os.getloadavg()[0]))
       log(f"{name} call {i}: {json.dumps(calls[name][-1])}")
@@ -163,7 +165,7 @@ def bench_schedulers(cfg, params, tokenizer, prompts, slots, samples, new_tokens
                                eos_fraction=float(1 - a.truncated_N.mean()))
   result = {name: dict(calls=c, **{k: statistics.median(x[k] for x in c) for k in
                                    ("tokens_per_s", "useful_fraction", "seconds", "steps",
-                                    "ms_per_step", "mean_attended_slots")},
+                                    "ms_per_step", "mean_slots", "mean_attended_slots")},
                        compile_s=engines[name].stats["compile_s"],
                        compiles=engines[name].stats["compiles"])
             for name, c in calls.items()}

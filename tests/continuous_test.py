@@ -91,7 +91,31 @@ def test_decode_windows_that_grow_and_shrink_give_the_static_rows(eos_model, mon
     grew, shrank = np.diff(sizes) > 0, np.diff(sizes) < 0
     assert grew.any() and shrank.any(), sizes
     # Fewer slots attended than with the whole cache (prompt bucket 32 + 12) at every step.
-    assert engine.stats["attended_slots"] < (32 + 12) * engine.stats["slot_steps"] // slots
+    assert engine.stats["attended_slots"] < (32 + 12) * engine.stats["decode_steps"]
+
+
+def test_the_tail_runs_in_fewer_slots(eos_model, monkeypatch):
+  """Once no row waits, the live rows move into half the slots or fewer (a power of two),
+  as often as their count allows; the rows stay the static loop's."""
+  cfg, params = eos_model
+  key = jax.random.key(3)
+  ref = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
+      PROMPTS, COUNTS, params, key, SAMPLED)
+  for slots in (4, 5):
+    engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=CHUNK)
+    kept = []
+    compiled = engine.compiled
+
+    def spy(program, args, static, takes_cfg=True):
+      if program is continuous.slots_lib.select:
+        kept.append(args[1].shape[0])
+      return compiled(program, args, static, takes_cfg)
+
+    monkeypatch.setattr(engine, "compiled", spy)
+    assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, SAMPLED), ref)
+    assert kept and kept == sorted(kept, reverse=True) and kept[-1] == 1, kept
+    assert all(2 * c <= b for b, c in zip([slots] + kept, kept)), kept
+    assert engine.stats["slot_steps"] < slots * engine.stats["decode_steps"]
 
 
 def test_rows_keep_their_draws_whatever_their_slot(eos_model):

@@ -107,13 +107,16 @@ def _child(outdir: str) -> None:
       summary[name].update(greedy=out.tokens_NxT.tolist(),
                            greedy_logp=out.logprobs_NxT.tolist())
       # Continuous batching: the 12 rows through 8 slots, sharded over the batch axes, in a
-      # decode window that grows (3 sizes).
-      out = sampling.make_engine("jax", cfg, None, max_rows=8, chunk_steps=4,
-                                 cache_phases=3).generate(
-          prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
-          greedy)
+      # decode window that grows (3 sizes); the last 4 rows run in 4 slots where the batch
+      # axes (2 ways on 2x4) divide them.
+      engine = sampling.make_engine("jax", cfg, None, max_rows=8, chunk_steps=4,
+                                    cache_phases=3)
+      out = engine.generate(prompts, 3, jax.device_put(sample_params, param_shardings),
+                            jax.random.key(2), greedy)
       summary[name].update(continuous=out.tokens_NxT.tolist(),
-                           continuous_logp=out.logprobs_NxT.tolist())
+                           continuous_logp=out.logprobs_NxT.tolist(),
+                           tail_slot_steps=engine.stats["slot_steps"]
+                           - 8 * engine.stats["decode_steps"])
     np.savez(os.path.join(outdir, f"{name}.npz"), *map(np.asarray, jax.tree.leaves(params)))
   with open(os.path.join(outdir, "summary.json"), "w") as f:
     json.dump(summary, f)
@@ -179,6 +182,9 @@ def test_sharded_greedy_sampling_matches_one_device(measured, mesh):
   summary, _ = measured
   tokens = np.array(summary["single"]["greedy"])
   assert len(np.unique(tokens)) > 4  # a real test: the outputs are not constant
+  # Fewer slot-steps than 8 per step: the tail ran in fewer slots (not on 8x1, where the
+  # slots must stay 8-way split).
+  assert (summary[mesh]["tail_slot_steps"] < 0) == (mesh == "2x4")
   for name in ("greedy", "continuous"):
     np.testing.assert_array_equal(summary[mesh][name], tokens)
     np.testing.assert_allclose(summary[mesh][name + "_logp"], summary["single"]["greedy_logp"],

@@ -8,7 +8,9 @@ between chunks the host hands every slot whose row ended (EOS, a stop string, or
 The run ends when every row is done. Rows enter in prompt-major order, so a prompt's rows
 are admitted one after another; the last prompt an `admit` prefilled is kept on device
 (the carry), and its later rows copy its cache instead of prefilling it again: every
-prompt is prefilled once, as in the static loop.
+prompt is prefilled once, as in the static loop. Once no row waits, the tail runs in
+fewer slots: when the live rows fit into half of them, `slots.select` moves them into a
+power-of-two count (`_tail_slots`), so the last long rows stop paying for ended ones.
 
 The cache of a slot has L prompt slots (left-padded, as the static loop's) and a decode
 window of W slots; a row writes its step-t key/value at slot L + t, as in the static loop
@@ -86,6 +88,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   ent_RxN = np.zeros((R, N), np.float32) if sampling.return_entropy else None
   lengths_R = np.zeros(R, np.int32)
   slot_row_B = np.full(B, -1)
+  floor = 1 if mesh is None else sharding.batch_shards(mesh)
   waiting = 0
   while True:
     free = np.flatnonzero(slot_row_B < 0)[:R - waiting]
@@ -97,6 +100,11 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       waiting += free.size
     if (slot_row_B < 0).all():
       break
+    keep_C = _tail_slots(slot_row_B, floor) if waiting == R else None
+    if keep_C is not None:
+      args = (state, put(keep_C))
+      state = engine.compiled(slots_lib.select, args, dict(mesh=mesh), takes_cfg=False)(*args)
+      slot_row_B, B = slot_row_B[keep_C], keep_C.size
     live = slot_row_B >= 0
     need = min(N, int(lengths_R[slot_row_B[live]].max()) + engine.chunk_steps)
     fit = next(w for w in sizes if w >= need)
@@ -109,6 +117,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
     out = sharding.to_host(out)
     host_start = time.perf_counter()
     taken = int(out["taken"])
+    engine.stats["decode_steps"] += taken
     engine.stats["slot_steps"] += B * taken
     engine.stats["attended_slots"] += (prompt_len + width) * taken
     release_B = np.zeros(B, bool)
@@ -132,6 +141,22 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   last_R = tokens_RxN[np.arange(R), np.maximum(lengths_R - 1, 0)]
   return dict(tokens_BxN=tokens_RxN, logprobs_BxN=logp_RxN, entropy_BxN=ent_RxN,
               lengths_B=lengths_R, eos_B=(lengths_R > 0) & np.isin(last_R, engine.eos_ids))
+
+
+def _tail_slots(slot_row_B, floor: int):
+  """The slots to keep once no row waits: the live ones, then ended ones up to C =
+  bucket(live rows) rounded up to a multiple of `floor`; None unless C <= B / 2.
+
+  A tail step of few live rows then costs a step of C rows, not B, and so does its
+  attention over the window. Halving at least bounds the shrinks to log2(B) per call,
+  each a copy of the kept slots, and keeps the slot counts to a few program shapes.
+  """
+  live = np.flatnonzero(slot_row_B >= 0)
+  C = -(-decode.bucket(live.size) // floor) * floor
+  if 2 * C > slot_row_B.size:
+    return None
+  ended = np.flatnonzero(slot_row_B < 0)
+  return np.concatenate([live, ended[:C - live.size]]).astype(np.int32)
 
 
 def _stopped(tokenizer, ids, new_from: int, stop_strings) -> bool:

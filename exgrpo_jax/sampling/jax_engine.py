@@ -103,16 +103,17 @@ class JaxEngine:
     # other EOS ids share it.
     self._program_cfg = dataclasses.replace(model_cfg, eos_token_id=(), bos_token_id=None,
                                             pad_token_id=None)
-    # slot_steps: decode steps times the rows decoded alongside (padding rows and ended
-    # rows included); new_tokens / slot_steps is the fraction of decode work that was used.
+    # decode_steps: steps of the decode loops; slot_steps: each step times the rows decoded
+    # alongside (padding rows and ended rows included); new_tokens / slot_steps is the
+    # fraction of decode work that was used.
     # attended_slots: decode steps times the cache slots each row's step attends to.
     # prefills: prompts run through the model (padding excluded). Continuous scheduling
     # only: chunk_idle_steps, slot-steps of slots whose row ended inside a chunk while rows
     # were waiting; host_s, admit_s: host time between chunks, and admissions (dispatch
     # only: admissions run on the device while the host goes on).
     self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0,
-                      slot_steps=0, attended_slots=0, prefills=0, chunk_idle_steps=0,
-                      host_s=0.0, admit_s=0.0, memory={})
+                      decode_steps=0, slot_steps=0, attended_slots=0, prefills=0,
+                      chunk_idle_steps=0, host_s=0.0, admit_s=0.0, memory={})
 
   def update_weights(self, params) -> None:
     """Nothing to do: the current params are an argument of every call."""
@@ -207,6 +208,7 @@ class JaxEngine:
                   phases=self._phases(sampling))
     result = sharding.to_host(self.compiled(decode.generate, args, static)(*args))
     steps, N = int(result["lengths_B"].max()), sampling.max_new_tokens
+    self.stats["decode_steps"] += steps
     self.stats["slot_steps"] += B * steps
     ends = decode.phase_ends(N, static["phases"])
     self.stats["attended_slots"] += sum(

@@ -1,5 +1,5 @@
 """The device programs of continuous batching (`continuous`): empty, admit, place, resize,
-decode, release.
+select, decode, release.
 
 A slot's KV cache holds L prompt slots (left-padded, as in the static loop) and a decode
 window of W slots: its row writes its step-t key/value at slot L + t, as the static loop
@@ -119,6 +119,13 @@ def resize(slots: Slots, *, size: int, mesh=None):
                                           for a in range(x.ndim)]))
   slots = slots.replace(caches=tuple((fit(k, 3), fit(v, 2)) for k, v in slots.caches),
                         valid_BxS=fit(slots.valid_BxS, 1))
+  return slots if mesh is None else _constrain(slots, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def select(slots: Slots, keep_C, *, mesh=None):
+  """Slots `keep_C` of `slots`, in that order: C slots, each with its row's state."""
+  slots = jax.tree.map(lambda x: x[keep_C], slots)
   return slots if mesh is None else _constrain(slots, mesh)
 
 
