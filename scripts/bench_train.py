@@ -13,6 +13,13 @@ mini-batch steps), plus the whole step. `exgrpo_over_onpolicy` is the ratio of m
 step times (the paper measured 1.19; our target is <= 1.10). With a real model, make
 sure replay is active (a task the model partly solves, and `algo.delayed_start` low):
 the JSON reports how many replayed questions each variant had per step.
+
+With `--schedulers=static,continuous` every variant runs under each rollout scheduler
+(`rollout.scheduler`; it needs `rollout.max_rows` below the rows a step rolls out), and
+the JSON adds `<variant>/continuous_over_static`, the ratio of median step times:
+
+  python scripts/bench_train.py --config=configs/smollm2_study.py --variants=exgrpo \
+      --schedulers=static,continuous --config.rollout.max_rows=4
 """
 
 import copy
@@ -36,6 +43,8 @@ from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-impo
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
                                           "Training config file.", lock_config=True)
 _VARIANTS = flags.DEFINE_list("variants", ["exgrpo", "onpolicy"], "Variants to compare.")
+_SCHEDULERS = flags.DEFINE_list("schedulers", [], "Rollout schedulers to run each variant "
+                                "under (default: the config's).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Measured steps per variant.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Unmeasured steps per variant (compile).")
 
@@ -47,23 +56,31 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax's INFO lines would bury the progress
   if _STEPS.value < 1 or _WARMUP.value < 0:
     raise app.UsageError("--steps must be >= 1 and --warmup >= 0")
+  if _SCHEDULERS.value and not _CONFIG.value.rollout.max_rows:
+    raise app.UsageError("--schedulers needs --config.rollout.max_rows > 0: with every row "
+                         "in one call, both schedulers run the static loop")
   total = _WARMUP.value + _STEPS.value
-  trainers, rows = {}, {v: [] for v in _VARIANTS.value}
+  runs = [(v, s) for v in _VARIANTS.value for s in _SCHEDULERS.value or [None]]
+  name = lambda variant, scheduler: variant if scheduler is None else f"{variant}/{scheduler}"
+  trainers, rows = {}, {name(*run): [] for run in runs}
   with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
-    for variant in _VARIANTS.value:
+    for variant, scheduler in runs:
       config = common.apply_variant(copy.deepcopy(_CONFIG.value), variant)
+      if scheduler is not None:
+        config.rollout.scheduler = scheduler
       config.train.steps = total
       config.train.checkpoint_every = total + 1
       config.eval.every = 0
-      trainers[variant] = trainer_lib.Trainer(config, os.path.join(tmp, variant))
+      trainers[name(variant, scheduler)] = trainer_lib.Trainer(
+          config, os.path.join(tmp, name(variant, scheduler).replace("/", "_")))
     for step in range(1, total + 1):
-      for variant, trainer in trainers.items():
+      for run, trainer in trainers.items():
         t = time.time()
         metrics = trainer.train_step()
-        print(f"[bench_train] {variant} step {step}/{total}: {time.time() - t:.1f} s "
+        print(f"[bench_train] {run} step {step}/{total}: {time.time() - t:.1f} s "
               f"(replayed {metrics['experience/batch_size']})", file=sys.stderr, flush=True)
         if step > _WARMUP.value:
-          rows[variant].append(metrics)
+          rows[run].append(metrics)
     for trainer in trainers.values():
       trainer.close()
 
@@ -71,10 +88,11 @@ def main(argv):
             "train_path": _CONFIG.value.data.train_path,
             "batch_questions": _CONFIG.value.train.batch_questions,
             "k": _CONFIG.value.rollout.k, "max_new_tokens": _CONFIG.value.rollout.max_new_tokens,
+            "max_rows": _CONFIG.value.rollout.max_rows,
             "warmup_steps": _WARMUP.value, "measured_steps": _STEPS.value,
             "timing": "median seconds per step after warm-up (compile excluded)"}
-  for variant, metrics in rows.items():
-    result[variant] = {
+  for run, metrics in rows.items():
+    result[run] = {
         **{p: float(np.median([m[f"timing_s/{p}"] for m in metrics])) for p in PHASES},
         "replayed_questions_per_step": [int(m["experience/batch_size"]) for m in metrics],
         "generated_tokens_per_s": float(np.median([m["timing_s/tokens_per_s"]
@@ -82,6 +100,10 @@ def main(argv):
     }
   if {"exgrpo", "onpolicy"} <= set(rows):
     result["exgrpo_over_onpolicy"] = result["exgrpo"]["step"] / result["onpolicy"]["step"]
+  for variant in _VARIANTS.value:
+    if {"static", "continuous"} <= set(_SCHEDULERS.value):
+      result[f"{variant}/continuous_over_static"] = (result[f"{variant}/continuous"]["step"]
+                                                     / result[f"{variant}/static"]["step"])
   print(json.dumps(result, indent=1))
 
 
