@@ -59,9 +59,7 @@ def _parser() -> argparse.ArgumentParser:
   add("--n", type=cli.positive_int, default=1, help="samples per row")
   add("--batch-prompts", "--batch_prompts", dest="batch_prompts", type=cli.positive_int,
       default=64)
-  add("--max-rows", "--max_rows", dest="max_rows", type=int, default=0,
-      help="jax engine: rows decoded at once; a call's other rows wait for a free slot "
-           "(continuous batching). 0 = all rows of a call")
+  add_max_rows_flag(p)
   add("--seed", type=int, default=0)
   add("--dtype", default="float32", choices=("float32", "bfloat16"))
   add("--engine", default="jax", choices=sampling.ENGINES.names())
@@ -75,6 +73,19 @@ def _parser() -> argparse.ArgumentParser:
   add("--out", default="", help="write the results JSON here")
   cli.add_debug_flag(p)
   return p
+
+
+def add_max_rows_flag(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "--max-rows", "--max_rows", dest="max_rows", type=int, default=0,
+      help="jax engine: rows decoded at once; a call's other rows wait for a free slot "
+           "(continuous batching). 0 = all rows of a call")
+
+
+def make_engine(args, cfg, tokenizer):
+  """The `--engine` rollout engine; the jax engine decodes `--max-rows` rows at once."""
+  return sampling.make_engine(args.engine, cfg, tokenizer, **(
+      {"max_rows": args.max_rows or None} if args.engine == "jax" else {}))
 
 
 def load_model(path: str, dtype: str):
@@ -138,8 +149,7 @@ def _evaluate(args) -> int:
   if room <= 0:
     return cli.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
                      f"the model's {cfg.max_position_embeddings} positions")
-  engine = sampling.make_engine(args.engine, cfg, tokenizer, **(
-      {"max_rows": args.max_rows or None} if args.engine == "jax" else {}))
+  engine = make_engine(args, cfg, tokenizer)
   sampling_config = sampling.SamplingConfig(temperature=args.temperature, top_p=args.top_p,
                                             max_new_tokens=args.max_new_tokens)
   options = runner.EvalOptions(template=args.template, remove_system=args.remove_system,

@@ -6,8 +6,9 @@
 
 PATH is an HF directory, a .gguf file or an exgrpo_jax training checkpoint; without
 --model the embedded SmolLM2-135M-Instruct is used. --chat wraps each prompt as a user
-message in the tokenizer's chat template. Completions go to stdout, progress and timing
-(compile time separately) to stderr.
+message in the tokenizer's chat template. --max-rows N decodes at most N rows at once
+(the others wait for a free slot: continuous batching). Completions go to stdout,
+progress and timing (compile time separately) to stderr.
 """
 
 import argparse
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
   add("--seed", type=int, default=0)
   add("--dtype", default="float32", choices=("float32", "bfloat16"))
   add("--engine", default="jax", choices=sampling.ENGINES.names())
+  eval_cli.add_max_rows_flag(p)
   add("--compile-cache", "--compile_cache", dest="compile_cache",
       action=argparse.BooleanOptionalAction, default=True,
       help="reuse compiled programs across calls (exgrpo_jax.compile_cache)")
@@ -67,7 +69,7 @@ def _generate(args) -> int:
       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
       max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
   cfg, params, tokenizer = eval_cli.load_model(args.model, args.dtype)
-  engine = sampling.make_engine(args.engine, cfg, tokenizer)
+  engine = eval_cli.make_engine(args, cfg, tokenizer)
   eval_cli.log(f"[generate] model {args.model or models.default_model_path()} loaded in "
                f"{time.perf_counter() - start:.1f} s")
   prompt_ids = [encode(tokenizer, p, args.chat) for p in args.prompt]

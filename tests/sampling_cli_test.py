@@ -38,6 +38,19 @@ def test_prints_every_completion_as_the_engine_generates_it(tiny_dir, capsys):
   assert "tokens/s" in captured.err and "compile" in captured.err
 
 
+def test_max_rows_decodes_the_same_rows_in_fewer_slots(tiny_dir, capsys):
+  """--max-rows 1: the 4 rows go one after another through 1 slot (continuous
+  batching), and print as they do with every row at once."""
+  args = ["--model", tiny_dir, "--prompt", "Hi there", "--prompt", "What is 2 + 2?",
+          "--n", "2", "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "3"]
+  assert generate.main(args) == 0
+  every_row = capsys.readouterr().out
+  assert generate.main(args + ["--max-rows", "1"]) == 0
+  assert capsys.readouterr().out == every_row
+  assert generate.main(args + ["--max-rows", "-1"]) == 1
+  assert capsys.readouterr().err.strip() == "error: max_rows must be None or >= 1, got -1"
+
+
 def test_bad_model_path_is_an_error_not_a_traceback(capsys):
   assert generate.main(["--model", "/nonexistent/model", "--prompt", "x"]) == 1
   assert "does not exist: /nonexistent/model" in capsys.readouterr().err
