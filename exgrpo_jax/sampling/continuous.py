@@ -9,8 +9,9 @@ The run ends when every row is done. Rows enter in prompt-major order, so a prom
 are admitted one after another; the last prompt an `admit` prefilled is kept on device
 (the carry), and its later rows copy its cache instead of prefilling it again: every
 prompt is prefilled once, as in the static loop. Once no row waits, the tail runs in
-fewer slots: when the live rows fit into half of them, `slots.select` moves them into a
-power-of-two count (`_tail_slots`), so the last long rows stop paying for ended ones.
+fewer slots: when the live rows fit into half of them, `slots.select` moves them into
+the engine's batch bucket that holds them (`_tail_slots`: a power of two up to 64), so
+the last long rows stop paying for ended ones.
 
 The cache of a slot has L prompt slots (left-padded, as the static loop's) and a decode
 window of W slots; a row writes its step-t key/value at slot L + t, as in the static loop
