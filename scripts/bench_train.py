@@ -71,8 +71,8 @@ def main(argv):
       config.train.steps = total
       config.train.checkpoint_every = total + 1
       config.eval.every = 0
-      trainers[name(variant, scheduler)] = trainer_lib.Trainer(
-          config, os.path.join(tmp, name(variant, scheduler).replace("/", "_")))
+      run = name(variant, scheduler)
+      trainers[run] = trainer_lib.Trainer(config, os.path.join(tmp, run.replace("/", "_")))
     for step in range(1, total + 1):
       for run, trainer in trainers.items():
         t = time.time()
@@ -100,8 +100,8 @@ def main(argv):
     }
   if {"exgrpo", "onpolicy"} <= set(rows):
     result["exgrpo_over_onpolicy"] = result["exgrpo"]["step"] / result["onpolicy"]["step"]
-  for variant in _VARIANTS.value:
-    if {"static", "continuous"} <= set(_SCHEDULERS.value):
+  if {"static", "continuous"} <= set(_SCHEDULERS.value):
+    for variant in _VARIANTS.value:
       result[f"{variant}/continuous_over_static"] = (result[f"{variant}/continuous"]["step"]
                                                      / result[f"{variant}/static"]["step"])
   print(json.dumps(result, indent=1))

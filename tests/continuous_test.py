@@ -44,6 +44,19 @@ def assert_same_rows(out, ref):
   assert out.texts == ref.texts
 
 
+def _calls(monkeypatch, engine, program, record) -> list:
+  """What `record(args, static)` gives for each use of `program` by `engine`, in order."""
+  seen, compiled = [], engine.compiled
+
+  def spy(used, args, static, takes_cfg=True):
+    if used is program:
+      seen.append(record(args, static))
+    return compiled(used, args, static, takes_cfg)
+
+  monkeypatch.setattr(engine, "compiled", spy)
+  return seen
+
+
 @pytest.mark.parametrize("config", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
 def test_every_slot_count_gives_the_static_rows(eos_model, config):
   cfg, params = eos_model
@@ -78,15 +91,8 @@ def test_decode_windows_that_grow_and_shrink_give_the_static_rows(eos_model, mon
   for slots in (1, 2, 3, 5):
     engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=CHUNK,
                                   cache_phases=3)
-    sizes = []
-    compiled = engine.compiled
-
-    def spy(program, args, static, takes_cfg=True):
-      if program is continuous.slots_lib.resize:
-        sizes.append(static["size"])
-      return compiled(program, args, static, takes_cfg)
-
-    monkeypatch.setattr(engine, "compiled", spy)
+    sizes = _calls(monkeypatch, engine, continuous.slots_lib.resize,
+                   lambda args, static: static["size"])
     assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, SAMPLED), ref)
     grew, shrank = np.diff(sizes) > 0, np.diff(sizes) < 0
     assert grew.any() and shrank.any(), sizes
@@ -103,15 +109,8 @@ def test_the_tail_runs_in_fewer_slots(eos_model, monkeypatch):
       PROMPTS, COUNTS, params, key, SAMPLED)
   for slots in (4, 5):
     engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=CHUNK)
-    kept = []
-    compiled = engine.compiled
-
-    def spy(program, args, static, takes_cfg=True):
-      if program is continuous.slots_lib.select:
-        kept.append(args[1].shape[0])
-      return compiled(program, args, static, takes_cfg)
-
-    monkeypatch.setattr(engine, "compiled", spy)
+    kept = _calls(monkeypatch, engine, continuous.slots_lib.select,
+                  lambda args, static: args[1].shape[0])
     assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, SAMPLED), ref)
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] == 1, kept
     assert all(2 * c <= b for b, c in zip([slots] + kept, kept)), kept
