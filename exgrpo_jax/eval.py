@@ -84,6 +84,8 @@ def add_max_rows_flag(parser: argparse.ArgumentParser) -> None:
 
 def make_engine(args, cfg, tokenizer):
   """The `--engine` rollout engine; the jax engine decodes `--max-rows` rows at once."""
+  if args.max_rows < 0:
+    raise ValueError(f"--max-rows must be >= 0 (0: all rows of a call), got {args.max_rows}")
   return sampling.make_engine(args.engine, cfg, tokenizer, **(
       {"max_rows": args.max_rows or None} if args.engine == "jax" else {}))
 

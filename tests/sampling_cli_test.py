@@ -48,7 +48,8 @@ def test_max_rows_decodes_the_same_rows_in_fewer_slots(tiny_dir, capsys):
   assert generate.main(args + ["--max-rows", "1"]) == 0
   assert capsys.readouterr().out == every_row
   assert generate.main(args + ["--max-rows", "-1"]) == 1
-  assert capsys.readouterr().err.strip() == "error: max_rows must be None or >= 1, got -1"
+  assert capsys.readouterr().err.strip() == ("error: --max-rows must be >= 0 (0: all rows "
+                                             "of a call), got -1")
 
 
 def test_bad_model_path_is_an_error_not_a_traceback(capsys):
