@@ -74,29 +74,29 @@ def test_every_slot_count_gives_the_static_rows(eos_model, config):
   engine = sampling.make_engine("jax", cfg, None, chunk_steps=CHUNK)
   prompt_index = ref.prompt_index_N
   raw = continuous.generate(engine, PROMPTS, prompt_index, np.arange(prompt_index.size),
-                            params, key, config, prompt_len=32, slots=11, windows=1)
+                            params, key, config, prompt_len=32, slots=11, page_size=64)
   np.testing.assert_array_equal(raw["lengths_B"], ref.lengths_N)
   np.testing.assert_array_equal(np.where(ref.mask_NxT, raw["tokens_BxN"], 0),
                                 np.where(ref.mask_NxT, ref.tokens_NxT, 0))
   np.testing.assert_allclose(raw["logprobs_BxN"], ref.logprobs_NxT, rtol=0, atol=1e-5)
 
 
-def test_decode_windows_that_grow_and_shrink_give_the_static_rows(eos_model, monkeypatch):
-  """With 3 window sizes (4, 8, 12 slots for 12 new tokens, chunks of 4), the window
-  follows the oldest live row: it grows, and shrinks when that row ends, mid-run."""
+def test_a_page_pool_that_grows_and_shrinks_gives_the_static_rows(eos_model, monkeypatch):
+  """With pages of 4 slots (a prompt of 32 slots and 12 new tokens: 11 pages a row), the
+  pool grows as rows advance and shrinks, compacting its pages, as they end, mid-run;
+  rows hold only their pages, so a step reads fewer slots than the whole cache."""
   cfg, params = eos_model
   key = jax.random.key(3)
   ref = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
       PROMPTS, COUNTS, params, key, SAMPLED)
   for slots in (1, 2, 3, 5):
     engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=CHUNK,
-                                  cache_phases=3)
-    sizes = _calls(monkeypatch, engine, continuous.slots_lib.resize,
-                   lambda args, static: static["size"])
+                                  page_size=4)
+    sizes = _calls(monkeypatch, engine, continuous.slots_lib.repage,
+                   lambda args, static: args[1].shape[0])
     assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, SAMPLED), ref)
     grew, shrank = np.diff(sizes) > 0, np.diff(sizes) < 0
     assert grew.any() and shrank.any(), sizes
-    # Fewer slots attended than with the whole cache (prompt bucket 32 + 12) at every step.
     assert engine.stats["attended_slots"] < (32 + 12) * engine.stats["decode_steps"]
 
 

@@ -107,10 +107,10 @@ def _child(outdir: str) -> None:
       summary[name].update(greedy=out.tokens_NxT.tolist(),
                            greedy_logp=out.logprobs_NxT.tolist())
       # Continuous batching: the 12 rows through 8 slots, sharded over the batch axes, in a
-      # decode window that grows (3 sizes); the last 4 rows run in 4 slots where the batch
+      # pool of 4-slot pages that grows; the last 4 rows run in 4 slots where the batch
       # axes (2 ways on 2x4) divide them.
       engine = sampling.make_engine("jax", cfg, None, max_rows=8, chunk_steps=4,
-                                    cache_phases=3)
+                                    page_size=4)
       out = engine.generate(prompts, 3, jax.device_put(sample_params, param_shardings),
                             jax.random.key(2), greedy)
       summary[name].update(continuous=out.tokens_NxT.tolist(),

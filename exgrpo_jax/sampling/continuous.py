@@ -13,23 +13,22 @@ fewer slots: when the live rows fit into half of them, `slots.select` moves them
 the engine's batch bucket that holds them (`_tail_slots`: a power of two up to 64), so
 the last long rows stop paying for ended ones.
 
-The cache of a slot has L prompt slots (left-padded, as the static loop's) and a decode
-window of W slots; a row writes its step-t key/value at slot L + t, as in the static loop
-(each row at its own slot: a scatter rather than one `dynamic_update_slice`), and
-attends to its slots through its mask (reset at admission, so the slot's previous row is
-invisible). Positions are counted per row (prompt length + tokens emitted), so the row
-computes what the static loop computes. Every step attends to the whole window, so W
-follows the oldest live row: before each chunk it becomes the smallest of a few sizes
-(the static loop's phase ends, `decode.phase_ends`) that holds every live row's next
-`steps` slots, and `slots.resize` cuts or pads the cache when that changes. Row r still
-draws its step-t token from fold_in(fold_in(key, r), t), so its output depends neither
-on its slot nor on its neighbours.
+The KV cache is a pool of pages (`slots`, `pages`). A row addresses its cache as the
+static loop does (L prompt slots, left-padded, then step t at address L + t, so
+positions and masks are the static loop's), but its addresses live on pages of its own:
+it gets a page when its next chunk reaches it, gives them all back when it ends, and
+attends to its own pages only. A step's attention therefore reads the live rows' keys,
+not B times the oldest row's, and a row admitted beside a row at step 900 pays for its
+own few pages. Before each chunk the pool becomes the smallest of `_POOL_SIZES` sizes
+that holds the next chunk's pages (`slots.repage` moves the pages when that changes).
+Row r still draws its step-t token from fold_in(fold_in(key, r), t), so its output
+depends neither on its slot nor on its neighbours.
 
 Why the host between chunks rather than one `lax.while_loop` with the refill inside:
 the refill needs a prefill, whose size (how many new prompts) varies from refill to
 refill, and stop strings are only known to the tokenizer; between chunks both are plain
 host decisions with static shapes (prompt counts bucketed to 0, 1, 2, 4, ...
-`_MAX_PROMPTS`; a few window sizes), and stop strings free their slot early. The price,
+`_MAX_PROMPTS`; a few pool sizes), and stop strings free their slot early. The price,
 which docs/sampler_performance.md measures, is a host round trip per chunk and up to
 `steps` - 1 idle steps of a slot whose row ends inside a chunk.
 """
@@ -43,6 +42,7 @@ import numpy as np
 from exgrpo_jax import sharding
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
+from exgrpo_jax.sampling import pages as pages_lib
 from exgrpo_jax.sampling import slots as slots_lib
 
 # One `admit` call loads at most _MAX_ROWS rows and prefills at most _MAX_PROMPTS new
@@ -54,16 +54,19 @@ _MAX_PROMPTS = 4
 # ones (a hit is then confirmed on the whole text). A longer stop string is still found
 # by `outputs.finalize`; only its slot is not freed early.
 _STOP_LOOKBACK = 32
+# The page pool takes this many sizes, k/8 of the static loop's cache for k = 1 .. 8: a
+# decode program per size in use, and at most 1/8 of that cache attended in vain.
+_POOL_SIZES = 8
 
 
 def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, prompt_len,
-             slots: int, windows: int):
+             slots: int, page_size: int):
   """Decodes rows `rows_R` (global row ids) of prompts `prompt_index_R` in `slots` slots.
 
   `engine` is the calling `JaxEngine` (EOS ids, pad id, tokenizer, chunk length, compiled
-  programs and stats); `prompt_len` is the bucketed prompt length L; the decode window
-  takes `windows` sizes (N / windows, 2N / windows, ... N). Returns the raw per-row dict
-  `outputs.finalize` takes, as the static loop does.
+  programs and stats); `prompt_len` is the bucketed prompt length L; the KV cache is a
+  pool of pages of `page_size` slots. Returns the raw per-row dict `outputs.finalize`
+  takes, as the static loop does.
   """
   R, N, B = len(rows_R), sampling.max_new_tokens, slots
   mesh = sharding.mesh_of(params)
@@ -75,52 +78,56 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
                  top_k=0 if sampling.is_greedy else sampling.top_k,
                  use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                  return_entropy=sampling.return_entropy)
-  sizes = decode.phase_ends(N, windows)
+  floor = 1 if mesh is None else sharding.batch_shards(mesh)
+  table = pages_lib.PageTable(B, page_size, prompt_len, N, _POOL_SIZES, floor)
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
-      slots=B, prompt_len=prompt_len, width=sizes[0], mesh=mesh))(params, key)
-  width = sizes[0]
+      slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
+      mesh=mesh))(params, key)
   row_keys_R = put(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
       key, jnp.asarray(rows_R, jnp.uint32)))
   admitter = _Admitter(engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
-                       B, put)
+                       table, put)
   tokens_RxN = np.zeros((R, N), np.int32)
   logp_RxN = np.zeros((R, N), np.float32)
   ent_RxN = np.zeros((R, N), np.float32) if sampling.return_entropy else None
   lengths_R = np.zeros(R, np.int32)
   slot_row_B = np.full(B, -1)
-  floor = 1 if mesh is None else sharding.batch_shards(mesh)
   waiting = 0
   while True:
     free = np.flatnonzero(slot_row_B < 0)[:R - waiting]
-    if free.size:
-      admit_start = time.perf_counter()
-      state, carry = admitter(state, carry, np.arange(waiting, waiting + free.size), free)
-      engine.stats["admit_s"] += time.perf_counter() - admit_start
-      slot_row_B[free] = np.arange(waiting, waiting + free.size)
-      waiting += free.size
+    new_rows = np.arange(waiting, waiting + free.size)
+    for b, r in zip(free, new_rows):
+      table.start(b, len(prompt_ids[prompt_index_R[r]]))
+    slot_row_B[free] = new_rows
+    waiting += free.size
     if (slot_row_B < 0).all():
       break
-    keep_C = _tail_slots(slot_row_B, floor) if waiting == R else None
+    keep_C = _tail_slots(slot_row_B, floor) if waiting == R and not free.size else None
     if keep_C is not None:
-      args = (state, put(keep_C))
-      state = engine.compiled(slots_lib.select, args, dict(mesh=mesh), takes_cfg=False)(*args)
+      args = (state.replace(caches=()), put(keep_C))
+      state = engine.compiled(slots_lib.select, args, dict(mesh=mesh), takes_cfg=False)(
+          *args).replace(caches=state.caches)
+      table.select(keep_C)
       slot_row_B, B = slot_row_B[keep_C], keep_C.size
     live = slot_row_B >= 0
-    need = min(N, int(lengths_R[slot_row_B[live]].max()) + engine.chunk_steps)
-    fit = next(w for w in sizes if w >= need)
-    if fit != width:
-      width = fit
-      state = engine.compiled(slots_lib.resize, (state,), dict(
-          size=prompt_len + width, mesh=mesh), takes_cfg=False)(state)
-    args = (params, layers, state, np.int32(prompt_len), *scalars)
+    source_Q = table.fit(np.where(live, prompt_len + np.minimum(
+        lengths_R[slot_row_B] + engine.chunk_steps, N), 0))
+    if source_Q is not None:
+      args = (state, put(source_Q.astype(np.int32)))
+      state = engine.compiled(slots_lib.repage, args, dict(mesh=mesh), takes_cfg=False)(*args)
+    if free.size:
+      admit_start = time.perf_counter()
+      state, carry = admitter(state, carry, new_rows, free)
+      engine.stats["admit_s"] += time.perf_counter() - admit_start
+    args = (params, layers, state, np.int32(prompt_len), *put(table.device_args()), *scalars)
     state, out = engine.compiled(slots_lib.decode_chunk, args, options)(*args)
     out = sharding.to_host(out)
     host_start = time.perf_counter()
     taken = int(out["taken"])
     engine.stats["decode_steps"] += taken
     engine.stats["slot_steps"] += B * taken
-    engine.stats["attended_slots"] += (prompt_len + width) * taken
+    engine.stats["attended_slots"] += table.pages * page_size * taken / B
     release_B = np.zeros(B, bool)
     for b in np.flatnonzero(slot_row_B >= 0):
       r, start, end = slot_row_B[b], lengths_R[slot_row_B[b]], out["steps_B"][b]
@@ -136,6 +143,8 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       elif sampling.stop_strings and _stopped(engine.tokenizer, tokens_RxN[r, :end], start,
                                               sampling.stop_strings):
         slot_row_B[b], release_B[b] = -1, True
+      if slot_row_B[b] < 0:
+        table.release(b)
     if release_B.any():
       state = slots_lib.release(state, put(release_B))
     engine.stats["host_s"] += time.perf_counter() - host_start
@@ -148,8 +157,7 @@ def _tail_slots(slot_row_B, floor: int):
   """The slots to keep once no row waits: the live ones, then ended ones up to C =
   bucket(live rows) rounded up to a multiple of `floor`; None unless C <= B / 2.
 
-  A tail step of few live rows then costs a step of C rows, not B, and so does its
-  attention over the window. Halving at least bounds the shrinks to log2(B) per call,
+  A tail step of few live rows then costs a step of C rows, not B. Halving at least bounds the shrinks to log2(B) per call,
   each a copy of the kept slots, and keeps the slot counts to a few program shapes.
   """
   live = np.flatnonzero(slot_row_B >= 0)
@@ -171,11 +179,12 @@ class _Admitter:
   """Loads waiting rows into free slots with `slots.admit`, keeping the carry's prompt."""
 
   def __init__(self, engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
-               slots, put):
+               table, put):
     self.engine, self.prompt_ids, self.prompt_index_R = engine, prompt_ids, prompt_index_R
-    self.row_keys_R, self.params, self.L, self.B, self.put = (row_keys_R, params, prompt_len,
-                                                              slots, put)
-    self.rows_per_call = min(_MAX_ROWS, slots)
+    self.row_keys_R, self.params, self.L, self.table, self.put = (row_keys_R, params,
+                                                                  prompt_len, table, put)
+    self.B = table.first_B.size
+    self.rows_per_call = min(_MAX_ROWS, self.B)
     self.carry_prompt = -1
 
   def __call__(self, state, carry, rows, slot_of_row):
@@ -213,5 +222,5 @@ class _Admitter:
     args = (self.params, carry, *self.put((prompt_PxL, valid_PxL, source_A)),
             self.put(np.int32(sources[-1])))
     admitted, carry = self.engine.compiled(slots_lib.admit, args, {})(*args)
-    args = (state, admitted, self.put(slot_A), keys_A)
+    args = (state, admitted, *self.put((slot_A, self.table.prompt_pages(slot_A))), keys_A)
     return self.engine.compiled(slots_lib.place, args, {}, takes_cfg=False)(*args), carry

@@ -11,14 +11,20 @@ and gate/up are stacked on a new axis rather than concatenated, so that under te
 parallelism each device's part of the product lines up with its shard of F.
 
 The new key/value goes to one cache slot shared by every row (the static loop: an
-in-place `dynamic_update_slice`) or to one slot per row (continuous batching, whose rows
-are at different steps: a scatter of B x K x Dh values, also in place).
+in-place `dynamic_update_slice`, then attention over the whole [B, S] cache), or, in
+continuous batching, whose rows are at different steps, into a pool of pages (`Paged`):
+each row writes its own page slot (a scatter, in place) and attends only to the pages it
+holds, so a young row does not pay for an old neighbour's keys. Attention over the pool
+is a softmax split over pages, merged per row with segment sums (as split-K decoding
+kernels merge their blocks): every page is read once, by its owner's queries.
 """
 
+import math
+
+import flax.struct
 import jax
 import jax.numpy as jnp
 
-from exgrpo_jax.models import attention as attention_lib
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import transformer
 
@@ -40,11 +46,22 @@ def prepare(cfg, layer_params):
       down_FxD=mlp["down_proj"].astype(dt))
 
 
+@flax.struct.dataclass
+class Paged:
+  """Where B rows write in a pool of P pages of T slots, and what they attend to."""
+
+  page_B: jax.Array  # the page of the row's new key/value (P: the row writes nothing)
+  offset_B: jax.Array  # its slot in that page
+  owner_P: jax.Array  # the row that holds each page (B: a free page)
+  mask_PxT: jax.Array  # the page slots its owner attends to
+
+
 def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
   """One token per row through one layer; returns (x_BxD, updated (k, v) cache).
 
-  w: `prepare`'s output. cache_kv: (k_BxKxDhxS, v_BxKxSxDh, index), index a scalar (the
-  slot of every row) or int32 [B] (each row's slot; out of range: the row writes nothing).
+  w: `prepare`'s output. cache_kv: (k_BxKxDhxS, v_BxKxSxDh, index) with index a scalar,
+  the slot every row writes, and `mask_Bx1xS` the slots it attends to; or the page pool
+  (k_PxKxDhxT, v_PxKxTxDh, `Paged`), and `mask_Bx1xS` None.
   """
   B = x_BxD.shape[0]
   norm = lambda scale, x: transformer.RMSNorm(cfg).apply({"params": scale}, x)
@@ -57,7 +74,7 @@ def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
     return y_BxNxDh[:, None]
 
   inv_freq = transformer.rope_inv_freq(cfg)
-  attend = transformer.attend if jnp.ndim(cache_kv[2]) == 0 else _attend_per_row
+  attend = _attend_paged if isinstance(cache_kv[2], Paged) else transformer.attend
   out_Bx1xHxDh, new_kv = attend(
       transformer.apply_rope(project("q_proj"), positions_Bx1, inv_freq),
       transformer.apply_rope(project("k_proj"), positions_Bx1, inv_freq), project("v_proj"),
@@ -69,12 +86,44 @@ def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
   return x_BxD + jnp.einsum("bf,fd->bd", h_BxF, w["down_FxD"]), new_kv
 
 
-def _attend_per_row(q_Bx1xHxDh, k_Bx1xKxDh, v_Bx1xKxDh, mask_Bx1xS, cache_kv):
-  """`transformer.attend` with the new key/value written at each row's own slot."""
-  k_BxKxDhxS, v_BxKxSxDh, index_B = cache_kv
-  b_B = jnp.arange(q_Bx1xHxDh.shape[0])
-  k_BxKxDhxS = k_BxKxDhxS.at[b_B, :, :, index_B].set(k_Bx1xKxDh[:, 0], mode="drop")
-  v_BxKxSxDh = v_BxKxSxDh.at[b_B, :, index_B].set(v_Bx1xKxDh[:, 0], mode="drop")
-  out_Bx1xHxDh = attention_lib.einsum_attention(q_Bx1xHxDh, k_BxKxDhxS, v_BxKxSxDh,
-                                                mask_Bx1xS)
-  return out_Bx1xHxDh, (k_BxKxDhxS, v_BxKxSxDh)
+def _attend_paged(q_Bx1xHxDh, k_Bx1xKxDh, v_Bx1xKxDh, mask, cache_kv):
+  """`transformer.attend` over a page pool: each row's new key/value goes to its page
+  slot, and each row attends to the unmasked slots of the pages it owns."""
+  del mask  # in `paged`
+  k_PxKxDhxT, v_PxKxTxDh, paged = cache_kv
+  k_PxKxDhxT = k_PxKxDhxT.at[paged.page_B, :, :, paged.offset_B].set(k_Bx1xKxDh[:, 0],
+                                                                      mode="drop")
+  v_PxKxTxDh = v_PxKxTxDh.at[paged.page_B, :, paged.offset_B].set(v_Bx1xKxDh[:, 0],
+                                                                   mode="drop")
+  out_BxHxDh = paged_attention(q_Bx1xHxDh[:, 0], k_PxKxDhxT, v_PxKxTxDh, paged.owner_P,
+                               paged.mask_PxT)
+  return out_BxHxDh[:, None], (k_PxKxDhxT, v_PxKxTxDh)
+
+
+def paged_attention(q_BxHxDh, k_PxKxDhxT, v_PxKxTxDh, owner_P, mask_PxT):
+  """Grouped-query attention of B queries over a pool of P pages, each read by its owner.
+
+  Scores per page, then the softmax merged per row: its max and its sum over the row's
+  pages (segment ops; pages owned by no row, owner >= B, drop out). Computes what
+  `models.attention.einsum_attention` computes over the row's unmasked slots, in another
+  summation order. Every row must have at least one unmasked slot.
+  """
+  dt = q_BxHxDh.dtype
+  B, H, Dh = q_BxHxDh.shape
+  K = k_PxKxDhxT.shape[1]
+  q_PxKxGxDh = q_BxHxDh.reshape(B, K, H // K, Dh)[jnp.minimum(owner_P, B - 1)]
+  scores_PxKxGxT = jnp.einsum("pkgd,pkdt->pkgt", q_PxKxGxDh, k_PxKxDhxT,
+                              preferred_element_type=jnp.float32) / math.sqrt(Dh)
+  mask_Px1x1xT = mask_PxT[:, None, None]
+  max_BxKxG = jax.ops.segment_max(
+      jnp.max(jnp.where(mask_Px1x1xT, scores_PxKxGxT, -jnp.inf), axis=-1), owner_P,
+      num_segments=B)
+  weights_PxKxGxT = jnp.where(
+      mask_Px1x1xT,
+      jnp.exp(scores_PxKxGxT - max_BxKxG[jnp.minimum(owner_P, B - 1)][..., None]), 0.0)
+  sum_BxKxG = jax.ops.segment_sum(jnp.sum(weights_PxKxGxT, axis=-1), owner_P,
+                                  num_segments=B)
+  out_PxKxGxDh = jnp.einsum("pkgt,pktd->pkgd", weights_PxKxGxT.astype(dt), v_PxKxTxDh,
+                            preferred_element_type=jnp.float32)
+  out_BxKxGxDh = jax.ops.segment_sum(out_PxKxGxDh, owner_P, num_segments=B)
+  return (out_BxKxGxDh / sum_BxKxG[..., None]).astype(dt).reshape(B, H, Dh)

@@ -68,18 +68,18 @@ class JaxEngine:
       prompt into calls (a prompt's samples stay in one call). None: all rows at once.
     ignore_eos: never stop on EOS (benchmarks: every row decodes max_new_tokens).
     rules: logical-axis rules of the rollout copy of sharded params.
-    cache_phases: how many phases the KV cache grows in during decoding
-      (`decode.generate`), and how many sizes the continuous loop's decode window takes
-      (`continuous`); None: `decode.phases_for(max_new_tokens)`.
+    cache_phases: how many phases the static loop's KV cache grows in during decoding
+      (`decode.generate`); None: `decode.phases_for(max_new_tokens)`.
     scheduler: "continuous" or "static" (see the module docstring).
     chunk_steps: continuous scheduling's decode steps per device call (rows that end
       inside a chunk leave their slot idle until its end).
+    page_size: continuous scheduling's KV-cache page, in slots (`continuous`).
   """
 
   def __init__(self, model_cfg, tokenizer=None, min_prompt_bucket: int = 16,
                max_rows: int | None = None, ignore_eos: bool = False,
                rules=sharding.SAMPLER_RULES, cache_phases: int | None = None,
-               scheduler: str = "continuous", chunk_steps: int = 16):
+               scheduler: str = "continuous", chunk_steps: int = 16, page_size: int = 64):
     if cache_phases is not None and cache_phases < 1:
       raise ValueError(f"cache_phases must be None or >= 1, got {cache_phases}")
     if scheduler not in SCHEDULERS:
@@ -87,9 +87,11 @@ class JaxEngine:
                        f"got {scheduler!r}")
     if chunk_steps < 1:
       raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+    if page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {page_size}")
     if max_rows is not None and max_rows < 1:
       raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
-    self.scheduler, self.chunk_steps = scheduler, chunk_steps
+    self.scheduler, self.chunk_steps, self.page_size = scheduler, chunk_steps, page_size
     self.cache_phases = cache_phases
     self.model_cfg = model_cfg
     self.rules = rules
@@ -106,7 +108,8 @@ class JaxEngine:
     # decode_steps: steps of the decode loops; slot_steps: each step times the rows decoded
     # alongside (padding rows and ended rows included); new_tokens / slot_steps is the
     # fraction of decode work that was used.
-    # attended_slots: decode steps times the cache slots each row's step attends to.
+    # attended_slots: decode steps times the cache slots a step reads per row (the static
+    # loop: its cache's length; continuous: the page pool's slots over the slots).
     # prefills: prompts run through the model (padding excluded). Continuous scheduling
     # only: chunk_idle_steps, slot-steps of slots whose row ended inside a chunk while rows
     # were waiting; host_s, admit_s: host time between chunks, and admissions (dispatch
@@ -136,7 +139,7 @@ class JaxEngine:
       parts = [continuous.generate(
           self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
           sampling, self._prompt_bucket(prompt_ids, prompt_index_N), self.max_rows,
-          self._phases(sampling))]
+          self.page_size)]
     else:
       parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key,
                                    sampling) for rows in self._split(counts)]
@@ -218,7 +221,7 @@ class JaxEngine:
     return {k: (None if v is None else v[:R]) for k, v in result.items()}
 
   def _phases(self, sampling) -> int:
-    """Phases of the static loop's cache, sizes of the continuous loop's decode window."""
+    """Phases of the static loop's cache."""
     return self.cache_phases or decode.phases_for(sampling.max_new_tokens)
 
   def _prompt_bucket(self, prompt_ids, prompts) -> int:

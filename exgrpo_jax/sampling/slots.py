@@ -1,10 +1,15 @@
-"""The device programs of continuous batching (`continuous`): empty, admit, place, resize,
+"""The device programs of continuous batching (`continuous`): empty, admit, place, repage,
 select, decode, release.
 
-A slot's KV cache holds L prompt slots (left-padded, as in the static loop) and a decode
-window of W slots: its row writes its step-t key/value at slot L + t, as the static loop
-does, so the window must cover the oldest live row (`continuous` picks W, one of a few
-sizes, and `resize` changes it between chunks).
+The keys and values of every slot's row live in one pool of P pages of T slots
+(`decode_layer.Paged`). A row addresses its cache as the static loop does: L prompt
+slots (left-padded), then its step-t key/value at address L + t; address a lies in the
+row's page `a // T` (the host's page table, `pages.PageTable`, says which pool page that
+is), at slot `a % T`. The row attends to the addresses from its first prompt token to
+its newest token (`attended`), on its own pages only, so the pool's size, not the
+oldest row, sets a step's attention cost. The host sizes the pool between chunks
+(`repage`) and passes the page table and each page's owner and first address to every
+decode chunk.
 """
 
 import functools
@@ -15,19 +20,20 @@ import jax.numpy as jnp
 
 from exgrpo_jax import models
 from exgrpo_jax import sharding
+from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.sampling import categorical
 from exgrpo_jax.sampling import decode
+from exgrpo_jax.sampling import decode_layer
 
 
 @flax.struct.dataclass
 class Slots:
-  """The device state of B decode slots. S = L prompt slots + a window of W decode slots."""
+  """The device state of B decode slots and their page pool."""
 
-  caches: tuple  # per layer (k_BxKxDhxS, v_BxKxSxDh)
-  valid_BxS: jax.Array  # which cache slots the slot's current row attends to
+  caches: tuple  # per layer (k_PxKxDhxT, v_PxKxTxDh): the page pool
   logits_BxV: jax.Array  # next-token logits
   keys_B: jax.Array  # fold_in(key, r) of the slot's row r
-  steps_B: jax.Array  # tokens the row has emitted (its next key/value goes to slot L + steps)
+  steps_B: jax.Array  # tokens the row has emitted (its next key/value: address L + steps)
   prompt_len_B: jax.Array  # the row's real prompt tokens (position of its first new token)
   done_B: jax.Array
 
@@ -42,25 +48,29 @@ class Admitted:
   prompt_len_A: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "slots", "prompt_len", "width", "mesh"))
-def empty(cfg, params, key, *, slots: int, prompt_len: int, width: int, mesh=None):
-  """All-done slots with a `width`-slot decode window, and an empty carry (the last
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "slots", "pages", "page_size", "prompt_len", "mesh"))
+def empty(cfg, params, key, *, slots: int, pages: int, page_size: int, prompt_len: int,
+          mesh=None):
+  """All-done slots with an empty pool of `pages` pages, and an empty carry (the last
   prefilled prompt, see `admit`)."""
-  L, B = prompt_len, slots
-  cache = models.KVCache.zeros(cfg, B, L + width)
+  B, K, Dh = slots, cfg.num_kv_heads, cfg.head_dim
+  dt = config_lib.dtype_from_name(cfg.dtype)
   vocab = params["embed"].shape[0]
   state = Slots(
-      caches=tuple(zip(cache.k_LxBxKxDhxS, cache.v_LxBxKxSxDh)), valid_BxS=cache.valid_BxS,
+      caches=tuple((jnp.zeros((pages, K, Dh, page_size), dt),
+                    jnp.zeros((pages, K, page_size, Dh), dt)) for _ in range(cfg.num_layers)),
       logits_BxV=jnp.zeros((B, vocab), jnp.float32), keys_B=jax.random.split(key, B),
       steps_B=jnp.zeros((B,), jnp.int32), prompt_len_B=jnp.zeros((B,), jnp.int32),
       done_B=jnp.ones((B,), bool))
   if mesh is not None:
     state = _constrain(state, mesh)
-  return state, (jnp.zeros((1, vocab), jnp.float32), models.KVCache.zeros(cfg, 1, L))
+  return state, (jnp.zeros((1, vocab), jnp.float32),
+                 models.KVCache.zeros(cfg, 1, prompt_len))
 
 
 def _constrain(state: Slots, mesh) -> Slots:
-  """`state` with every array split over the mesh's batch axes."""
+  """`state` with every array split over the mesh's batch axes (the pool: by page)."""
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
       x, sharding.batch_sharding(mesh, x.shape)), state)
 
@@ -71,7 +81,7 @@ def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
 
   Row a continues source `source_A[a]`: 0 is the carry (the last prefilled prompt), j > 0
   is the (j-1)-th of the P prompts prefilled here (P may be 0). The new carry is source
-  `carry_source`. Independent of the slots' window, so it compiles once per P.
+  `carry_source`. Independent of the page pool, so it compiles once per P.
   """
   carry_logits_1xV, carry_cache = carry
   logits_QxV, k_LxQ, v_LxQ, valid_QxL = (carry_logits_1xV, carry_cache.k_LxBxKxDhxS,
@@ -95,36 +105,43 @@ def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
-def place(slots: Slots, rows: Admitted, slot_A, keys_A):
-  """Puts `admit`'s rows into slots `slot_A` (B: no row), their windows empty."""
-  L = rows.valid_AxL.shape[1]
-  W = slots.valid_BxS.shape[1] - L
-  put = lambda x, value: x.at[slot_A].set(value, mode="drop")
-  caches = tuple((k.at[slot_A, :, :, :L].set(k_new, mode="drop"),
-                  v.at[slot_A, :, :L].set(v_new, mode="drop"))
+def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A):
+  """Puts `admit`'s rows into slots `slot_A` (B: no row), their prompts into pages
+  `pages_AxN` (the pool pages of addresses 0 .. N*T - 1; P: no page)."""
+  A, L = rows.valid_AxL.shape
+  T = slots.caches[0][0].shape[-1]
+  N = pages_AxN.shape[1]
+
+  def paged(x, axis):  # [A, ..., L, ...] -> [A * N, ..., T, ...], L padded to N * T
+    x = jnp.pad(x, [(0, N * T - L if a == axis else 0) for a in range(x.ndim)])
+    x = x.reshape(*x.shape[:axis], N, T, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 1).reshape(A * N, *x.shape[1:axis], T, *x.shape[axis + 2:])
+
+  flat_pages = pages_AxN.reshape(-1)
+  caches = tuple((k.at[flat_pages].set(paged(k_new, 3), mode="drop"),
+                  v.at[flat_pages].set(paged(v_new, 2), mode="drop"))
                  for (k, v), (k_new, v_new) in zip(slots.caches, rows.caches))
-  return Slots(
-      caches=caches, valid_BxS=put(slots.valid_BxS, jnp.pad(rows.valid_AxL, ((0, 0), (0, W)))),
-      logits_BxV=put(slots.logits_BxV, rows.logits_AxV), keys_B=put(slots.keys_B, keys_A),
-      steps_B=put(slots.steps_B, 0), prompt_len_B=put(slots.prompt_len_B, rows.prompt_len_A),
+  put = lambda x, value: x.at[slot_A].set(value, mode="drop")
+  return slots.replace(
+      caches=caches, logits_BxV=put(slots.logits_BxV, rows.logits_AxV),
+      keys_B=put(slots.keys_B, keys_A), steps_B=put(slots.steps_B, 0),
+      prompt_len_B=put(slots.prompt_len_B, rows.prompt_len_A),
       done_B=put(slots.done_B, False))
 
 
-@functools.partial(jax.jit, static_argnames=("size", "mesh"))
-def resize(slots: Slots, *, size: int, mesh=None):
-  """The slots with `size` cache slots (L + the new window): cut (the slots beyond it
-  hold no live row's keys) or padded with empty slots."""
-  fit = lambda x, axis: (jax.lax.slice_in_dim(x, 0, size, axis=axis) if size <= x.shape[axis]
-                         else jnp.pad(x, [(0, size - x.shape[axis] if a == axis else 0)
-                                          for a in range(x.ndim)]))
-  slots = slots.replace(caches=tuple((fit(k, 3), fit(v, 2)) for k, v in slots.caches),
-                        valid_BxS=fit(slots.valid_BxS, 1))
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def repage(slots: Slots, source_Q, *, mesh=None):
+  """The slots with a pool of Q pages: page q is the old page `source_Q[q]`, or an
+  empty one where that is out of range (the host's compaction or growth)."""
+  take = lambda x: jnp.take(x, source_Q, axis=0, mode="fill", fill_value=0)
+  slots = slots.replace(caches=tuple((take(k), take(v)) for k, v in slots.caches))
   return slots if mesh is None else _constrain(slots, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def select(slots: Slots, keep_C, *, mesh=None):
-  """Slots `keep_C` of `slots`, in that order: C slots, each with its row's state."""
+  """Slots `keep_C` of `slots` (given without its pool, which stays as it is: the host
+  renumbers the pages' owners), in that order: C slots, each with its row's state."""
   slots = jax.tree.map(lambda x: x[keep_C], slots)
   return slots if mesh is None else _constrain(slots, mesh)
 
@@ -135,20 +152,34 @@ def release(slots: Slots, release_B):
   return slots.replace(done_B=slots.done_B | release_B)
 
 
+def attended(base_P, owner_P, prompt_len, prompt_len_B, steps_B, page_size: int):
+  """[P, T]: the pool slots a row's next step attends to, on the pages it owns: its
+  addresses from its first prompt token (L - prompt length) to its new token (L + steps).
+  `base_P` is each page's first address in its owner's cache; free pages: none."""
+  B = prompt_len_B.shape[0]
+  address_PxT = base_P[:, None] + jnp.arange(page_size)
+  row_P = jnp.minimum(owner_P, B - 1)
+  first_Px1 = (prompt_len - prompt_len_B[row_P])[:, None]
+  last_Px1 = (prompt_len + steps_B[row_P])[:, None]
+  return (address_PxT >= first_Px1) & (address_PxT <= last_Px1) & (owner_P < B)[:, None]
+
+
 @functools.partial(jax.jit, static_argnames=(
     "cfg", "steps", "max_new_tokens", "top_k", "use_top_p", "return_entropy"),
                    donate_argnames=("slots",))
-def decode_chunk(cfg, params, layers, slots: Slots, prompt_len, temperature, top_p, greedy,
-                 eos_ids_E, *, steps: int, max_new_tokens: int, top_k: int, use_top_p: bool,
-                 return_entropy: bool):
+def decode_chunk(cfg, params, layers, slots: Slots, prompt_len, table_BxN, owner_P, base_P,
+                 temperature, top_p, greedy, eos_ids_E, *, steps: int, max_new_tokens: int,
+                 top_k: int, use_top_p: bool, return_entropy: bool):
   """Up to `steps` decode steps of every slot (fewer once all are done).
 
-  `prompt_len` is L (traced: the window's size is the cache's). The caller makes the
-  window hold every live row's next `steps` keys. Returns (slots, dict of tokens_BxC,
-  logprobs_BxC, entropy_BxC (or None): what each slot emitted, from column 0 until its
-  row ended; steps_B, done_B; taken: how many steps ran).
+  `prompt_len` is L. `table_BxN` holds each slot's pool pages (P where it has none),
+  `owner_P` each page's slot (B: free) and `base_P` its first address; the caller gives
+  every live row the pages of its next `steps` addresses. Returns (slots, dict of
+  tokens_BxC, logprobs_BxC, entropy_BxC (or None): what each slot emitted, from column 0
+  until its row ended; steps_B, done_B; taken: how many steps ran).
   """
-  B, S = slots.valid_BxS.shape
+  B, N = table_BxN.shape
+  P, T = owner_P.shape[0], slots.caches[0][0].shape[-1]
   choose = functools.partial(categorical.choose_tokens, top_k=top_k, use_top_p=use_top_p,
                              return_entropy=return_entropy)
 
@@ -163,15 +194,18 @@ def decode_chunk(cfg, params, layers, slots: Slots, prompt_len, temperature, top
     tokens_BxC, logp_BxC = put(tokens_BxC, token_B), put(logp_BxC, logp_B)
     if ent_BxC is not None:
       ent_BxC = put(ent_BxC, ent_B)
+    address_B = prompt_len + slots.steps_B
+    page_B = table_BxN[jnp.arange(B), jnp.minimum(address_B // T, N - 1)]
+    paged = decode_layer.Paged(
+        page_B=jnp.where(active_B, page_B, P), offset_B=address_B % T, owner_P=owner_P,
+        mask_PxT=attended(base_P, owner_P, prompt_len, slots.prompt_len_B, slots.steps_B, T))
     positions_Bx1 = (slots.prompt_len_B + slots.steps_B)[:, None]
-    index_B = jnp.where(active_B, prompt_len + slots.steps_B, S)  # S: done rows write nothing
     steps_B = slots.steps_B + active_B
     done_B = slots.done_B | jnp.isin(token_B, eos_ids_E) | (steps_B >= max_new_tokens)
-    valid_BxS = slots.valid_BxS.at[jnp.arange(B), index_B].set(True, mode="drop")
-    logits_BxV, caches = decode.layers_step(cfg, params, layers, slots.caches, index_B,
-                                            positions_Bx1, valid_BxS[:, None, :], token_B)
-    slots = slots.replace(caches=caches, valid_BxS=valid_BxS, logits_BxV=logits_BxV,
-                          steps_B=steps_B, done_B=done_B)
+    logits_BxV, caches = decode.layers_step(cfg, params, layers, slots.caches, paged,
+                                            positions_Bx1, None, token_B)
+    slots = slots.replace(caches=caches, logits_BxV=logits_BxV, steps_B=steps_B,
+                          done_B=done_B)
     return i + 1, slots, tokens_BxC, logp_BxC, ent_BxC
 
   zeros = lambda dtype: jnp.zeros((B, steps), dtype)

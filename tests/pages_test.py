@@ -1,0 +1,93 @@
+"""The page pool of continuous batching: its attention against the dense einsum attention,
+and the host's page table (what each row holds through growth, compaction and moves)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from exgrpo_jax.models import attention
+from exgrpo_jax.sampling import decode_layer
+from exgrpo_jax.sampling import pages
+
+
+def _pool_and_dense(seed=0, B=3, K=2, G=3, Dh=8, T=4, S=12, P=11):
+  """Random rows of S slots scattered over a pool of P pages (some free), and the same
+  keys/values as a dense [B, S] cache with the rows' masks."""
+  rng = np.random.default_rng(seed)
+  k_dense = rng.standard_normal((B, K, Dh, S)).astype(np.float32)
+  v_dense = rng.standard_normal((B, K, S, Dh)).astype(np.float32)
+  mask_BxS = rng.random((B, S)) < 0.6
+  mask_BxS[:, -1] = True  # every row attends to something
+  pages_per_row = S // T
+  order = rng.permutation(P)[:B * pages_per_row].reshape(B, pages_per_row)
+  k_pool = rng.standard_normal((P, K, Dh, T)).astype(np.float32)  # free pages: noise
+  v_pool = rng.standard_normal((P, K, T, Dh)).astype(np.float32)
+  owner_P, mask_PxT = np.full(P, B), np.zeros((P, T), bool)
+  for b in range(B):
+    for j, p in enumerate(order[b]):
+      k_pool[p] = k_dense[b, :, :, j * T:(j + 1) * T]
+      v_pool[p] = v_dense[b, :, j * T:(j + 1) * T]
+      owner_P[p], mask_PxT[p] = b, mask_BxS[b, j * T:(j + 1) * T]
+  q = rng.standard_normal((B, K * G, Dh)).astype(np.float32)
+  return (q, k_pool, v_pool, owner_P, mask_PxT), (q, k_dense, v_dense, mask_BxS), order
+
+
+def test_paged_attention_equals_the_dense_attention_values_and_gradients():
+  paged_args, (q, k_dense, v_dense, mask_BxS), order = _pool_and_dense()
+  _, k_pool, v_pool, owner_P, mask_PxT = paged_args
+  paged = lambda q, k, v: decode_layer.paged_attention(q, k, v, owner_P, mask_PxT)
+  dense = lambda q, k, v: attention.einsum_attention(q[:, None], k, v, mask_BxS[:, None])[:, 0]
+  np.testing.assert_allclose(paged(q, k_pool, v_pool), dense(q, k_dense, v_dense),
+                             rtol=1e-6, atol=1e-6)
+  weights = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * weights)
+  gq, gk, gv = jax.grad(loss(paged), argnums=(0, 1, 2))(q, k_pool, v_pool)
+  dq, dk, dv = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k_dense, v_dense)
+  np.testing.assert_allclose(gq, dq, rtol=1e-5, atol=1e-5)
+  T = k_pool.shape[-1]
+  for b in range(order.shape[0]):
+    for j, p in enumerate(order[b]):
+      np.testing.assert_allclose(gk[p], dk[b, :, :, j * T:(j + 1) * T], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(gv[p], dv[b, :, j * T:(j + 1) * T], rtol=1e-5, atol=1e-5)
+  free = owner_P == order.shape[0]
+  assert free.any() and not np.asarray(gk)[free].any() and not np.asarray(gv)[free].any()
+
+
+def _held(table: pages.PageTable, b: int) -> list[int]:
+  return [int(p) for p in table.table_BxN[b] if p >= 0]
+
+
+def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrinks():
+  # 3 slots, pages of 4 slots, prompt bucket 8, 16 new tokens: 6 pages a row, 18 in all,
+  # pool sizes 6, 12, 18 (3 sizes).
+  table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, sizes=3,
+                          floor=1)
+  assert table.sizes == [6, 12, 18] and table.pages == 6
+  table.start(0, prompt_len=3)  # addresses 5 .. 7: page 1 only (page 0 is padding)
+  table.start(1, prompt_len=8)
+  assert table.fit(np.array([12, 12, 0])) is None  # pages 1-2 and 0-2: 5 of 6
+  assert len(_held(table, 0)) == 2 and len(_held(table, 1)) == 3
+  assert table.table_BxN[0, 0] == -1
+  source = table.fit(np.array([24, 12, 0]))  # slot 0 now needs pages 1-5: 8 pages
+  np.testing.assert_array_equal(source, np.arange(12))  # grown, nothing moved
+  table.start(2, prompt_len=1)
+  table.fit(np.array([24, 12, 12]))  # slot 2: page 1 (address 7) and page 2
+  held = [_held(table, b) for b in range(3)]
+  assert sorted(sum(held, [])) == sorted(set(sum(held, []))), held  # no page twice
+  table_before = {b: held[b] for b in range(3)}
+  table.release(0)
+  source = table.fit(np.array([0, 12, 12]))  # 5 pages: the smallest pool
+  assert table.pages == 6 and source.size == 6
+  for b in (1, 2):  # each remaining page moved with its contents
+    np.testing.assert_array_equal(source[_held(table, b)], table_before[b])
+  table_BxN, owner_P, base_P = table.device_args()
+  assert (table_BxN[0] == 6).all() and (owner_P[_held(table, 1)] == 1).all()
+  np.testing.assert_array_equal(base_P[_held(table, 1)], [0, 4, 8])
+  np.testing.assert_array_equal(base_P[_held(table, 2)], [4, 8])
+  np.testing.assert_array_equal(table.prompt_pages(np.array([2, 3])),
+                                [[6, table.table_BxN[2, 1]], [6, 6]])
+  held_by_2 = _held(table, 2)
+  table.select(np.array([2, 0]))  # slot 2 becomes slot 0, slot 0 (empty) slot 1
+  assert _held(table, 0) == held_by_2 and _held(table, 1) == []
+  np.testing.assert_array_equal(np.flatnonzero(table.owner_P >= 0), sorted(held_by_2))
+  assert (table.owner_P[held_by_2] == 0).all()
