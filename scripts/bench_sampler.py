@@ -36,7 +36,8 @@ differences of another summation order, and the row then goes its own way).
 It reports tokens/s (compile time excluded), the useful fraction (generated tokens /
 slot-steps), decode steps, time per step (prefills and admissions included), the slots
 a step decodes on average (below --batch-sizes when the continuous tail shrinks), the
-cache slots a step attends to on average, the continuous loop's host time and its slot-steps
+cache slots a step reads per row on average (continuous: the page pool's slots over the
+slots decoded), the continuous loop's host time and its slot-steps
 left idle until the end of a chunk, and the load average around every call.
 
 On an NVIDIA GPU the transformers model runs on CUDA, vLLM is timed when it imports, and
