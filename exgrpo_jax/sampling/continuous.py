@@ -54,8 +54,9 @@ _MAX_PROMPTS = 4
 # ones (a hit is then confirmed on the whole text). A longer stop string is still found
 # by `outputs.finalize`; only its slot is not freed early.
 _STOP_LOOKBACK = 32
-# The page pool takes this many sizes, k/8 of the static loop's cache for k = 1 .. 8: a
-# decode program per size in use, and at most 1/8 of that cache attended in vain.
+# The page pool takes at most this many sizes, k/8 of the static loop's cache for k = 1
+# .. 8 (in steps of at least one row's pages): a decode program per size in use, and at
+# most 1/8 of that cache attended in vain.
 _POOL_SIZES = 8
 
 
@@ -103,8 +104,9 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
     waiting += free.size
     if (slot_row_B < 0).all():
       break
+    # Not in a round that admits rows: they are placed below, into the slots they have.
     keep_C = _tail_slots(slot_row_B, floor) if waiting == R and not free.size else None
-    if keep_C is not None:
+    if keep_C is not None:  # the pool stays where it is: only the slots' state moves
       args = (state.replace(caches=()), put(keep_C))
       state = engine.compiled(slots_lib.select, args, dict(mesh=mesh), takes_cfg=False)(
           *args).replace(caches=state.caches)

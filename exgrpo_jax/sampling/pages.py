@@ -5,10 +5,10 @@ address L + t for its step-t key/value. Its cache is cut into pages of T address
 its page j (addresses jT to jT + T - 1) is the pool page `table_BxN[b, j]` (-1: none).
 Pages of left padding alone are never given, and a row gets each further page only when
 its next chunk reaches it, so the pool holds what the live rows have written, not B
-times the longest row. The pool takes one of a few sizes (multiples of the mesh's batch
-split); `fit` picks the smallest that holds the next chunk's pages and, when that
-changes, the pool's new page order (`slots.repage`): the held pages first when it
-shrinks.
+times the longest row. The pool takes one of a few sizes (steps of at least a row's
+pages, multiples of the mesh's batch split); `fit` picks the smallest that holds the
+next chunk's pages and, when that changes, the pool's new page order (`slots.repage`):
+the held pages first when it shrinks.
 """
 
 import numpy as np
@@ -22,9 +22,11 @@ class PageTable:
     self.T, self.L = page_size, prompt_len
     pages_per_row = -(-(prompt_len + max_new_tokens) // page_size)
     full = slots * pages_per_row  # every slot at its longest: the static loop's cache
+    # Sizes step by 1/`sizes` of that, but never by less than a row's pages: more sizes
+    # would mean more programs to compile for short rollouts, for little saved.
     round_up = lambda n, m: -(-n // m) * m
-    self.sizes = sorted({round_up(round_up(full * k, sizes) // sizes, floor)
-                         for k in range(1, sizes + 1)})
+    unit = round_up(max(-(-full // sizes), pages_per_row), floor)
+    self.sizes = [min(unit * k, round_up(full, floor)) for k in range(1, -(-full // unit) + 1)]
     self.table_BxN = np.full((slots, pages_per_row), -1)
     self.first_B = np.zeros(slots, int)  # a row's first page (those before: padding)
     self.owner_P = np.full(self.sizes[0], -1)  # the slot holding each page (-1: free)
