@@ -14,25 +14,20 @@ Median of `--repeats` timings after a warm-up call (compile excluded); prints JS
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from exgrpo_jax.models import attention
-from exgrpo_jax.sampling import decode_layer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from exgrpo_jax.models import attention  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.sampling import decode_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts.bench_logprobs import median_seconds  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _median_ms(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
+  return 1e3 * median_seconds(fn, args, repeats)
 
 
 def dense_ms(a, slots: int) -> float:
