@@ -173,3 +173,5 @@ def test_bad_scheduler_is_named():
   cfg, _ = sampler_test.tiny_model()
   with pytest.raises(ValueError, match="scheduler must be one of continuous, static, got 'fifo'"):
     sampling.make_engine("jax", cfg, None, scheduler="fifo")
+  with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+    sampling.make_engine("jax", cfg, None, page_size=0)

@@ -43,7 +43,6 @@ class Admitted:
   """The prompt state of A rows, as `admit` hands it to `place`."""
 
   caches: tuple  # per layer (k_AxKxDhxL, v_AxKxLxDh)
-  valid_AxL: jax.Array
   logits_AxV: jax.Array
   prompt_len_A: jax.Array
 
@@ -92,11 +91,10 @@ def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
     k_LxQ = jnp.concatenate([k_LxQ, cache.k_LxBxKxDhxS], axis=1)
     v_LxQ = jnp.concatenate([v_LxQ, cache.v_LxBxKxSxDh], axis=1)
     valid_QxL = jnp.concatenate([valid_QxL, cache.valid_BxS])
-  valid_AxL = valid_QxL[source_A]
   rows = Admitted(
       caches=tuple((k_LxQ[i, source_A], v_LxQ[i, source_A]) for i in range(k_LxQ.shape[0])),
-      valid_AxL=valid_AxL, logits_AxV=logits_QxV[source_A],
-      prompt_len_A=jnp.sum(valid_AxL, axis=1, dtype=jnp.int32))
+      logits_AxV=logits_QxV[source_A],
+      prompt_len_A=jnp.sum(valid_QxL[source_A], axis=1, dtype=jnp.int32))
   carry_cache = carry_cache.replace(
       k_LxBxKxDhxS=jax.lax.dynamic_slice_in_dim(k_LxQ, carry_source, 1, axis=1),
       v_LxBxKxSxDh=jax.lax.dynamic_slice_in_dim(v_LxQ, carry_source, 1, axis=1),
@@ -108,7 +106,7 @@ def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
 def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A):
   """Puts `admit`'s rows into slots `slot_A` (B: no row), their prompts into pages
   `pages_AxN` (the pool pages of addresses 0 .. N*T - 1; P: no page)."""
-  A, L = rows.valid_AxL.shape
+  A, L = rows.caches[0][0].shape[0], rows.caches[0][0].shape[-1]
   T = slots.caches[0][0].shape[-1]
   N = pages_AxN.shape[1]
 
