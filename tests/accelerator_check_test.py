@@ -20,7 +20,7 @@ HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 def run_check(tmp_path, *args) -> dict:
   out = tmp_path / "check.json"
-  env = dict(os.environ, PYTHONPATH=conftest.REPO_ROOT)
+  env = conftest.subprocess_env()
   proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args],
                         cwd=conftest.REPO_ROOT, env=env, capture_output=True, text=True,
                         timeout=900)

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 from exgrpo_jax import compile_cache
+from tests import conftest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # In a fresh process: JAX reads the cache settings once, at its first compile.
 _SCRIPT = """
@@ -20,10 +20,10 @@ print(float(jax.jit(lambda x: x * 2 + 1)(1.0)))
 
 
 def _run(env_overrides: dict, switch: str) -> list[str]:
-  env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu", **env_overrides)
+  env = conftest.subprocess_env(JAX_PLATFORMS="cpu", **env_overrides)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   proc = subprocess.run([sys.executable, "-c", _SCRIPT, switch], env=env, capture_output=True,
-                        text=True, check=True, cwd=REPO_ROOT)
+                        text=True, check=True, cwd=conftest.REPO_ROOT)
   return proc.stdout.split()
 
 

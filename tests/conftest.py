@@ -12,6 +12,14 @@ if os.path.isdir(SHARED_DATA):
   os.environ.setdefault("EXGRPO_DATA_DIR", SHARED_DATA)
 
 
+def subprocess_env(**overrides) -> dict:
+  """This environment for a Python subprocess of this checkout: the repository first on
+  PYTHONPATH, the rest kept (packages installed with `pip --target`, as on the GPU
+  machines: BUILD.md, "Accelerator check")."""
+  path = [REPO_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir():
   if not os.path.isdir(SHARED_DATA):

@@ -10,6 +10,7 @@ import pytest
 
 from exgrpo_jax import data
 from exgrpo_jax.data import readers
+from tests import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -205,7 +206,7 @@ def test_train_reports_bad_data_in_one_line(tmp_path):
        f"--workdir={tmp_path / 'run'}", "--config.data.source=file",
        f"--config.data.train_path={path}"],
       cwd=REPO, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+      env=conftest.subprocess_env(JAX_PLATFORMS="cpu"))
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
       f"exgrpo_jax.train: {path}: row 1, line 2 is not valid JSON: Expecting value "

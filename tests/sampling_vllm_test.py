@@ -29,6 +29,7 @@ from exgrpo_jax import sharding
 from exgrpo_jax.models import export
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
+from tests import conftest
 from tests import vllm_stand_in
 
 torch = pytest.importorskip("torch")
@@ -309,9 +310,9 @@ def test_two_processes_split_the_rows_and_gather_them_in_order(stand_in):
   procs = [subprocess.Popen(
       [sys.executable, "-m", "tests.vllm_two_process_main"], cwd=REPO, text=True,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(pid), PYTHONPATH=REPO)) for pid in range(2)]
+      env=conftest.subprocess_env(
+          JAX_PLATFORMS="cpu", XLA_FLAGS="", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+          JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))) for pid in range(2)]
   results = []
   for proc in procs:
     out, err = proc.communicate(timeout=300)
