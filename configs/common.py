@@ -79,7 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
       top_k=0,
       max_new_tokens=8192,
       max_rows=0,             # jax engine: most rows per generate call, 0 = all (KV cache bound)
-      scheduler="continuous", # jax engine, more rows than max_rows: continuous | static
+      # jax engine: continuous | static. continuous: rows beyond max_rows wait for a free
+      # slot, and from 512 new tokens on the tail shrinks to the live rows (the same rows).
+      scheduler="continuous",
       # vllm engine (exgrpo_jax/sampling/vllm_setup.py; BUILD.md, "vLLM rollouts"); its
       # max_model_len is data.max_prompt_tokens + the longest max_new_tokens.
       vllm=ml_collections.ConfigDict(dict(

@@ -4,6 +4,7 @@
   python scripts/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
   python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024
   python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --new-tokens 512
+  python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 8 --new-tokens 256
 
 Both samplers run in this process on the same chat prompts (GSM8K test questions from
 ../shared/data when present), sample at temperature 1 with no top-k/top-p, and generate
@@ -29,7 +30,8 @@ rollouts grow the cache in phases), calls alternating, in one process.
 With --schedulers it instead runs a rollout as training does: --rows rows (--samples per
 GSM8K chat prompt) at temperature 1 with natural EOS, in --batch-sizes slots, scheduled
 statically (calls of at most that many rows, each decoded until its last row ends) and
-continuously (a slot takes the next waiting row as soon as its row ends), calls
+continuously (a slot takes the next waiting row as soon as its row ends; with no more
+--rows than slots the tail shrinks to the live rows, whatever --new-tokens), calls
 alternating with the same key per pair, so both decode the same rows (the JSON counts the
 rows that are identical: a draw of a very unlikely token can flip under the 1e-5 float
 differences of another summation order, and the row then goes its own way).
@@ -94,7 +96,8 @@ def median_time(fn, repeats):
 
 def bench_ours(cfg, params, tokenizer, prompts, new_tokens, repeats):
   """End-to-end and decode-only tokens/s of the JAX engine, compile time, memory."""
-  engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True)
+  # The static loop at any length: rows that all run to new_tokens leave no tail to shrink.
+  engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True, scheduler="static")
   short = max(new_tokens // 4, 1)
   times = {}
   for n in (new_tokens, short):
@@ -117,7 +120,8 @@ def bench_cache_phases(cfg, params, tokenizer, prompts, new_tokens, repeats):
   config = sampling.SamplingConfig(max_new_tokens=new_tokens)
   runs = {}
   for phases in (1, phased):
-    engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True, cache_phases=phases)
+    engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True, cache_phases=phases,
+                                  scheduler="static")
     run = lambda e=engine: e.generate(prompts, 1, params, jax.random.key(0), config)
     run()  # warm-up: compiles
     runs[phases] = (engine, run, [])
@@ -136,7 +140,8 @@ def bench_cache_phases(cfg, params, tokenizer, prompts, new_tokens, repeats):
 def bench_schedulers(cfg, params, tokenizer, prompts, slots, samples, new_tokens, repeats):
   """Static against continuous scheduling in `slots` slots, natural EOS, T = 1."""
   config = sampling.SamplingConfig(max_new_tokens=new_tokens)
-  engines = {name: sampling.make_engine("jax", cfg, tokenizer, max_rows=slots, scheduler=name)
+  engines = {name: sampling.make_engine("jax", cfg, tokenizer, max_rows=slots, scheduler=name,
+                                        continuous_from=0)
              for name in ("static", "continuous")}
   calls = {name: [] for name in engines}
   for i in range(repeats):  # alternate, so drifting load hits both alike

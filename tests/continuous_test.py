@@ -69,8 +69,9 @@ def test_every_slot_count_gives_the_static_rows(eos_model, config):
     assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, config), ref)
     if slots == 1:  # a chunk ends when its only row does: no step is wasted
       assert engine.stats["slot_steps"] == ref.lengths_N.sum()
-  # More slots than rows: every row has a slot from the start, and the engine runs the
-  # static loop. The continuous loop itself, with idle slots, gives the same rows too.
+  # More slots than rows: every row has a slot from the start, and on a rollout this short
+  # the engine runs the static loop. The continuous loop itself, with idle slots (more
+  # than the engine would give it), gives the same rows too.
   engine = sampling.make_engine("jax", cfg, None, chunk_steps=CHUNK)
   prompt_index = ref.prompt_index_N
   raw = continuous.generate(engine, PROMPTS, prompt_index, np.arange(prompt_index.size),
@@ -79,6 +80,31 @@ def test_every_slot_count_gives_the_static_rows(eos_model, config):
   np.testing.assert_array_equal(np.where(ref.mask_NxT, raw["tokens_BxN"], 0),
                                 np.where(ref.mask_NxT, ref.tokens_NxT, 0))
   np.testing.assert_allclose(raw["logprobs_BxN"], ref.logprobs_NxT, rtol=0, atol=1e-5)
+
+
+def test_long_rollouts_are_scheduled_continuously_when_every_row_has_a_slot(
+    eos_model, monkeypatch):
+  """From `continuous_from` new tokens on, rows that all have a slot (no max_rows, or
+  more slots than rows) go through continuous scheduling too, in the static loop's batch
+  of slots (8 for 8 rows, at most max_rows), and keep the static loop's rows; shorter
+  rollouts, and the static scheduler, run the static loop."""
+  cfg, params = eos_model
+  key = jax.random.key(3)
+  ref = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
+      PROMPTS, COUNTS, params, key, SAMPLED)
+  n = sampler_test.MAX_NEW
+  for options, slots in ((dict(continuous_from=n), [8]),
+                         (dict(continuous_from=n, max_rows=11), [8]),
+                         (dict(continuous_from=n, max_rows=8), [8]),
+                         (dict(continuous_from=n + 1), []),
+                         (dict(), []),  # the default starts far above 12 tokens
+                         (dict(continuous_from=None), []),
+                         (dict(continuous_from=0, scheduler="static"), [])):
+    engine = sampling.make_engine("jax", cfg, None, chunk_steps=CHUNK, **options)
+    used = _calls(monkeypatch, engine, continuous.slots_lib.empty,
+                  lambda args, static: static["slots"])
+    assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, SAMPLED), ref)
+    assert used == slots, options
 
 
 def test_a_page_pool_that_grows_and_shrinks_gives_the_static_rows(eos_model, monkeypatch):

@@ -12,10 +12,12 @@ compile and generation time separately.
 
 Scheduling: with `scheduler="continuous"` (the default) and more rows than `max_rows`,
 the rows go through `max_rows` decode slots, each refilled with the next waiting row as
-soon as its row ends (`continuous`); otherwise (`scheduler="static"`, or every row has a
-slot anyway) the rows are split into calls of at most `max_rows` rows, each decoded until
-its last row ends (`decode.generate`, whose KV cache grows in phases on long rollouts).
-Both give the same rows.
+soon as its row ends (`continuous`). Rollouts of `continuous_from` new tokens or more go
+through it even when every row has a slot: it also shrinks the tail to the live rows and
+lets each row attend to its own pages only. Otherwise (`scheduler="static"`, or short
+rollouts whose rows all have a slot) the rows are split into calls of at most `max_rows`
+rows, each decoded until its last row ends (`decode.generate`, whose KV cache grows in
+phases on long rollouts). Both give the same rows.
 
 Randomness: row r (prompt-major, counting from 0 over the whole call) draws its step-t
 token with fold_in(fold_in(key, r), t), so the same key gives the same output, whatever
@@ -44,6 +46,9 @@ from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
 
 SCHEDULERS = ("continuous", "static")
+# Rollouts this long go through continuous scheduling even when every row has a slot
+# (docs/sampler_performance.md measures where it starts to pay).
+CONTINUOUS_FROM = 512
 
 # (program, model config, argument shapes, static options) -> compiled program.
 _COMPILED = {}
@@ -74,12 +79,15 @@ class JaxEngine:
     chunk_steps: continuous scheduling's decode steps per device call (rows that end
       inside a chunk leave their slot idle until its end).
     page_size: continuous scheduling's KV-cache page, in slots (`continuous`).
+    continuous_from: the fewest max_new_tokens at which "continuous" schedules rows that
+      all have a slot too (see the module docstring); None: only rows that wait.
   """
 
   def __init__(self, model_cfg, tokenizer=None, min_prompt_bucket: int = 16,
                max_rows: int | None = None, ignore_eos: bool = False,
                rules=sharding.SAMPLER_RULES, cache_phases: int | None = None,
-               scheduler: str = "continuous", chunk_steps: int = 16, page_size: int = 64):
+               scheduler: str = "continuous", chunk_steps: int = 16, page_size: int = 64,
+               continuous_from: int | None = CONTINUOUS_FROM):
     if cache_phases is not None and cache_phases < 1:
       raise ValueError(f"cache_phases must be None or >= 1, got {cache_phases}")
     if scheduler not in SCHEDULERS:
@@ -92,6 +100,7 @@ class JaxEngine:
     if max_rows is not None and max_rows < 1:
       raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
     self.scheduler, self.chunk_steps, self.page_size = scheduler, chunk_steps, page_size
+    self.continuous_from = continuous_from
     self.cache_phases = cache_phases
     self.model_cfg = model_cfg
     self.rules = rules
@@ -135,11 +144,11 @@ class JaxEngine:
           f"the model's max_position_embeddings={self.model_cfg.max_position_embeddings}")
     start = time.perf_counter()
     params = self._rollout_params(params)
-    if self.scheduler == "continuous" and prompt_index_N.size > (self.max_rows or np.inf):
+    slots = self._continuous_slots(prompt_index_N.size, sampling.max_new_tokens)
+    if slots:
       parts = [continuous.generate(
           self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
-          sampling, self._prompt_bucket(prompt_ids, prompt_index_N), self.max_rows,
-          self.page_size)]
+          sampling, self._prompt_bucket(prompt_ids, prompt_index_N), slots, self.page_size)]
     else:
       parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key,
                                    sampling) for rows in self._split(counts)]
@@ -163,6 +172,17 @@ class JaxEngine:
           lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
           out_shardings=sharding.param_shardings(self.model_cfg, mesh, self.rules))
     return self._reshard[mesh](params)
+
+  def _continuous_slots(self, rows: int, max_new_tokens: int) -> int:
+    """The slots continuous scheduling decodes `rows` rows in; 0: the static loop."""
+    if self.scheduler != "continuous":
+      return 0
+    if self.max_rows is not None and rows > self.max_rows:
+      return self.max_rows
+    if self.continuous_from is None or max_new_tokens < self.continuous_from:
+      return 0
+    slots = decode.bucket(rows)  # the static loop's batch: a mesh's batch axes divide it
+    return slots if self.max_rows is None else min(slots, self.max_rows)
 
   def _split(self, counts: np.ndarray) -> list[np.ndarray]:
     """Row-index ranges for each call: whole prompts, at most `max_rows` rows each."""
