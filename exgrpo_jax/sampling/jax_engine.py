@@ -181,7 +181,7 @@ class JaxEngine:
       return self.max_rows
     if self.continuous_from is None or max_new_tokens < self.continuous_from:
       return 0
-    slots = decode.bucket(rows)  # the static loop's batch: a mesh's batch axes divide it
+    slots = decode.bucket(rows)  # the static loop's batch for these rows
     return slots if self.max_rows is None else min(slots, self.max_rows)
 
   def _split(self, counts: np.ndarray) -> list[np.ndarray]:
