@@ -121,13 +121,46 @@ def test_a_page_pool_that_grows_and_shrinks_gives_the_static_rows(eos_model, mon
                                   page_size=4)
     first = _calls(monkeypatch, engine, continuous.slots_lib.empty,
                    lambda args, static: static["pages"])
-    moves = _calls(monkeypatch, engine, continuous.slots_lib.repage,
+    moves = _calls(monkeypatch, engine, continuous.slots_lib.repage_layer,
                    lambda args, static: args[1].shape[0])
     assert_same_rows(engine.generate(PROMPTS, COUNTS, params, key, SAMPLED), ref)
     sizes = first + moves
     grew, shrank = np.diff(sizes) > 0, np.diff(sizes) < 0
     assert grew.any() and shrank.any(), sizes
     assert engine.stats["attended_slots"] < (16 + 12) * engine.stats["decode_steps"]
+
+
+def test_a_repage_holds_one_pool_and_one_layer_of_the_other(eos_model, monkeypatch):
+  """The pool changes size one layer at a time, and nothing else keeps the old layers:
+  after each layer's move the live pool arrays hold at most the larger pool and one
+  layer of the other (one program over the whole pool holds both pools to its end)."""
+  cfg, params = eos_model
+  engine = sampling.make_engine("jax", cfg, None, max_rows=3, chunk_steps=CHUNK,
+                                page_size=4)
+  K, Dh, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+  page_shapes = {(K, Dh, 4), (K, 4, Dh)}  # a k page and a v page
+  seen, compiled = [], engine.compiled
+
+  def measured(program, args, static, takes_cfg=True):
+    run = compiled(program, args, static, takes_cfg)
+    if program is not continuous.slots_lib.repage_layer:
+      return run
+    sizes = (args[0][0].shape[0], args[1].shape[0])  # old and new pool, in pages
+
+    def run_and_count(layer, source_Q):
+      out = jax.block_until_ready(run(layer, source_Q))
+      live = sum(x.shape[0] for x in jax.live_arrays() if x.shape[1:] in page_shapes)
+      seen.append((live // 2, *sizes))  # layer-pages: a k and a v array each
+      return out
+    return run_and_count
+
+  monkeypatch.setattr(engine, "compiled", measured)
+  ref = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
+      PROMPTS, COUNTS, params, jax.random.key(3), SAMPLED)
+  assert_same_rows(engine.generate(PROMPTS, COUNTS, params, jax.random.key(3), SAMPLED), ref)
+  assert {old < new for _, old, new in seen} == {True, False}, seen  # grew and shrank
+  for live, old, new in seen:
+    assert live <= L * max(old, new) + min(old, new), (live, old, new)
 
 
 def test_the_tail_runs_in_fewer_slots(eos_model, monkeypatch):

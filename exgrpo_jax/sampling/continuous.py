@@ -115,9 +115,10 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
     live = slot_row_B >= 0
     source_Q = table.fit(np.where(live, prompt_len + np.minimum(
         lengths_R[slot_row_B] + engine.chunk_steps, N), 0))
-    if source_Q is not None:
-      args = (state, put(source_Q.astype(np.int32)))
-      state = engine.compiled(slots_lib.repage, args, dict(mesh=mesh), takes_cfg=False)(*args)
+    if source_Q is not None:  # the old pool's only references go to `repage`'s list
+      caches, state = list(state.caches), state.replace(caches=())
+      slots_lib.repage(engine.compiled, caches, put(source_Q.astype(np.int32)), mesh)
+      state = state.replace(caches=tuple(caches))
     if free.size:
       admit_start = time.perf_counter()
       state, carry = admitter(state, carry, new_rows, free)

@@ -68,10 +68,10 @@ def empty(cfg, params, key, *, slots: int, pages: int, page_size: int, prompt_le
                  models.KVCache.zeros(cfg, 1, prompt_len))
 
 
-def _constrain(state: Slots, mesh) -> Slots:
-  """`state` with every array split over the mesh's batch axes (the pool: by page)."""
+def _constrain(tree, mesh):
+  """`tree` with every array split over the mesh's batch axes (the pool: by page)."""
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-      x, sharding.batch_sharding(mesh, x.shape)), state)
+      x, sharding.batch_sharding(mesh, x.shape)), tree)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("carry",))
@@ -127,13 +127,26 @@ def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A):
       done_B=put(slots.done_B, False))
 
 
+def repage(compiled, caches: list, source_Q, mesh=None) -> None:
+  """Gives the pool in `caches` (its layers, replaced in place) Q pages: page q is the
+  old page `source_Q[q]`, or an empty one where that is out of range (the host's
+  compaction or growth). `compiled` is the engine's program cache.
+
+  One layer at a time, each old layer dropped as soon as its new one is made: the device
+  holds the new pool and one old layer, not both pools, which one program over the whole
+  pool would (XLA keeps a program's arguments to its end; on the largest growth that is
+  1.9x the cache the static loop holds).
+  """
+  run = compiled(repage_layer, (caches[0], source_Q), dict(mesh=mesh), takes_cfg=False)
+  for i in range(len(caches)):  # the list holds each old layer's last reference
+    caches[i] = run(caches[i], source_Q)
+
+
 @functools.partial(jax.jit, static_argnames=("mesh",))
-def repage(slots: Slots, source_Q, *, mesh=None):
-  """The slots with a pool of Q pages: page q is the old page `source_Q[q]`, or an
-  empty one where that is out of range (the host's compaction or growth)."""
-  take = lambda x: jnp.take(x, source_Q, axis=0, mode="fill", fill_value=0)
-  slots = slots.replace(caches=tuple((take(k), take(v)) for k, v in slots.caches))
-  return slots if mesh is None else _constrain(slots, mesh)
+def repage_layer(layer, source_Q, *, mesh=None):
+  """One layer's (k, v) pages, in `repage`'s new order."""
+  layer = tuple(jnp.take(x, source_Q, axis=0, mode="fill", fill_value=0) for x in layer)
+  return layer if mesh is None else _constrain(layer, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
