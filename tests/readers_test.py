@@ -1,7 +1,6 @@
 """The data users bring: formats, schemas, lists, data.dir, and one-line errors for bad data."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,8 +10,6 @@ import pytest
 from exgrpo_jax import data
 from exgrpo_jax.data import readers
 from tests import conftest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _verl_frame(n=4):
@@ -205,7 +202,7 @@ def test_train_reports_bad_data_in_one_line(tmp_path):
       [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
        f"--workdir={tmp_path / 'run'}", "--config.data.source=file",
        f"--config.data.train_path={path}"],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
+      cwd=conftest.REPO_ROOT, capture_output=True, text=True, timeout=600,
       env=conftest.subprocess_env(JAX_PLATFORMS="cpu"))
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (

@@ -11,7 +11,6 @@ the real vLLM where `import vllm` works and a CUDA GPU is present.
 import dataclasses
 import functools
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -35,7 +34,6 @@ from tests import vllm_stand_in
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
                           attention_bias=True, eos_token_id=(2,), max_position_embeddings=64)
@@ -308,7 +306,7 @@ def _free_port() -> int:
 def test_two_processes_split_the_rows_and_gather_them_in_order(stand_in):
   port = _free_port()
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "tests.vllm_two_process_main"], cwd=REPO, text=True,
+      [sys.executable, "-m", "tests.vllm_two_process_main"], cwd=conftest.REPO_ROOT, text=True,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       env=conftest.subprocess_env(
           JAX_PLATFORMS="cpu", XLA_FLAGS="", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
