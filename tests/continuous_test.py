@@ -234,3 +234,5 @@ def test_bad_scheduler_is_named():
     sampling.make_engine("jax", cfg, None, scheduler="fifo")
   with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
     sampling.make_engine("jax", cfg, None, page_size=0)
+  with pytest.raises(ValueError, match="continuous_from must be None or >= 0, got -1"):
+    sampling.make_engine("jax", cfg, None, continuous_from=-1)

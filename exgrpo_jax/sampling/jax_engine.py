@@ -97,6 +97,8 @@ class JaxEngine:
       raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
     if page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if continuous_from is not None and continuous_from < 0:
+      raise ValueError(f"continuous_from must be None or >= 0, got {continuous_from}")
     if max_rows is not None and max_rows < 1:
       raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
     self.scheduler, self.chunk_steps, self.page_size = scheduler, chunk_steps, page_size
