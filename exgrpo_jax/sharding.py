@@ -19,21 +19,24 @@ stay whole under tensor=2 while its MLP is split).
 
 Parameters and optimizer state are created directly sharded: shapes come from
 `jax.eval_shape`, then `jax.jit(init, out_shardings=...)` materialises each shard on its
-device (or `models.loading.load_params(..., shardings=)` places each HF tensor as read).
+device (`models.param_shardings` applies these rules to the model's tree;
+`models.loading.load_params(..., shardings=)` places each HF tensor as read).
 Jitted steps need no mesh argument: they read the mesh from their parameters'
 shardings (`mesh_of`), place host batches with `put_batch` and keep their outputs on the
-input shardings, so a step compiles once.
+input shardings, so a step compiles once. They are traced under `use_mesh(mesh)`, so
+code inside them that must partition by hand (`shard_map` around a fused attention
+kernel, which XLA cannot split) finds the mesh and its platform
+(`jax.sharding.get_abstract_mesh()`), also when compiling ahead of time for devices
+that are not attached (`exgrpo_jax.aot`).
 """
 
-import functools
+import contextlib
 import math
 
 import jax
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-
-from exgrpo_jax import models
 
 P = jax.sharding.PartitionSpec
 NamedSharding = jax.sharding.NamedSharding
@@ -91,30 +94,29 @@ def spec(names, shape, mesh: jax.sharding.Mesh, rules=LEARNER_RULES) -> P:
   return P(*out)
 
 
-def param_shardings(cfg: models.ModelConfig, mesh, rules=LEARNER_RULES):
-  """A NamedSharding for every parameter of `cfg`'s model (a tree like the params)."""
+def tree_shardings(names_tree, abstract_tree, mesh, rules=LEARNER_RULES):
+  """A NamedSharding for every array of `abstract_tree`, whose logical axis names
+  `names_tree` (a tree of PartitionSpecs of names, as Flax gives them) holds."""
   return jax.tree.map(
       lambda names, x: NamedSharding(mesh, spec(tuple(names), x.shape, mesh, rules)),
-      models.logical_axes(cfg), models.abstract_params(cfg),
-      is_leaf=lambda x: isinstance(x, P))
+      names_tree, abstract_tree, is_leaf=lambda x: isinstance(x, P))
 
 
-def optimizer_shardings(tx: optax.GradientTransformation, cfg: models.ModelConfig,
-                        shardings):
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_params, shardings):
   """Shardings of `tx`'s state: moments follow their parameter, counters are replicated."""
-  abstract_state = jax.eval_shape(tx.init, models.abstract_params(cfg))
+  abstract_state = jax.eval_shape(tx.init, abstract_params)
   return optax.tree_map_params(tx, lambda _, s: s, abstract_state, shardings,
                                transform_non_params=lambda _: replicated(mesh_of(shardings)))
-
-
-def init_params(cfg: models.ModelConfig, rng: jax.Array, shardings):
-  """Random parameters, each created on its shards (never whole on one device)."""
-  return jax.jit(functools.partial(models.init_params, cfg), out_shardings=shardings)(rng)
 
 
 def init_optimizer(tx, params, shardings):
   """`tx.init(params)` created directly with `shardings`."""
   return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def use_mesh(mesh):
+  """The context jitted programs on `mesh` are traced (and compiled) in; none for None."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def abstract(tree, shardings):
@@ -162,9 +164,20 @@ def put_batch(tree, mesh, batch_dim: int = 0):
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
     x = np.asarray(x)
-    s = batch_sharding(mesh, x.shape, batch_dim) if x.ndim else replicated(mesh)
-    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+    return jax.make_array_from_callback(x.shape, _placement(mesh, x.shape, batch_dim),
+                                        lambda index: x[index])
   return jax.tree.map(put, tree)
+
+
+def placed(tree, mesh, batch_dim: int = 0):
+  """ShapeDtypeStructs of `tree` (arrays or ShapeDtypeStructs) as `put_batch` would
+  place them: what a program compiled ahead of time receives."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=_placement(mesh, x.shape, batch_dim)), tree)
+
+
+def _placement(mesh, shape, batch_dim: int) -> NamedSharding:
+  return batch_sharding(mesh, shape, batch_dim) if len(shape) else replicated(mesh)
 
 
 def to_host(tree):

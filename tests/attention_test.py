@@ -24,7 +24,7 @@ QWEN2 = LLAMA.replace(model_type="qwen2", attention_bias=True, num_heads=8, num_
                       rope_theta=1e6, tie_word_embeddings=True)
 TOLERANCES = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 5e-2)}  # (outputs, gradients)
 T = 45  # not a multiple of the test block
-CPU_IMPLEMENTATIONS = [name for name in attention.supported("cpu")
+CPU_IMPLEMENTATIONS = [name for name in attention.supported("cpu", "cpu")
                        if name not in ("auto", "xla")]
 
 
@@ -190,8 +190,8 @@ def test_blockwise_memory_is_linear_in_length(monkeypatch):
 
 def test_unavailable_implementation_is_one_line_naming_alternatives():
   with pytest.raises(ValueError) as error:
-    attention.check_supported("cudnn", backend="cpu")
-  assert str(error.value) == ("model.attention='cudnn' cannot run on backend 'cpu'; "
+    attention.check_supported("cudnn", platform="cpu", device_kind="cpu")
+  assert str(error.value) == ("model.attention='cudnn' cannot run on cpu (cpu); "
                               "choose one of auto, xla, blockwise")
   with pytest.raises(ValueError, match="attention must be one of"):
     LLAMA.replace(attention="flash")

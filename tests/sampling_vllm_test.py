@@ -46,7 +46,7 @@ def tiny_params():
   """TINY's random params, sharded over every device (of every process) like the learner's."""
   mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(shape=(-1, 1),
                                                            axes=("fsdp", "tensor"))))
-  return sharding.init_params(TINY, jax.random.key(0), sharding.param_shardings(TINY, mesh))
+  return models.init_params(TINY, jax.random.key(0), models.param_shardings(TINY, mesh))
 
 
 @pytest.fixture

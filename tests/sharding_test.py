@@ -89,10 +89,10 @@ def _child(outdir: str) -> None:
   for name, shape in MESHES.items():
     mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(shape=shape,
                                                              axes=("fsdp", "tensor"))))
-    param_shardings = sharding.param_shardings(cfg, mesh)
-    params = sharding.init_params(cfg, jax.random.key(0), param_shardings)
+    param_shardings = models.param_shardings(cfg, mesh)
+    params = models.init_params(cfg, jax.random.key(0), param_shardings)
     opt_state = sharding.init_optimizer(
-        tx, params, sharding.optimizer_shardings(tx, cfg, param_shardings))
+        tx, params, sharding.optimizer_shardings(tx, models.abstract_params(cfg), param_shardings))
     split_at_start = _unsplit_large_leaves(params, opt_state)
     params, opt_state, results = train(params, opt_state)
     summary[name] = dict(

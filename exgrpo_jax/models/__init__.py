@@ -5,5 +5,5 @@ from exgrpo_jax.models.export import save_pretrained
 from exgrpo_jax.models.loading import (default_model_path, from_pretrained, load_tokenizer,
                                        resolve_hf_dir)
 from exgrpo_jax.models.policy import (Policy, abstract_params, apply, init_params,
-                                      logical_axes, unembedding)
+                                      logical_axes, param_shardings, unembedding)
 from exgrpo_jax.models.transformer import KVCache

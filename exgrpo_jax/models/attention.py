@@ -14,6 +14,13 @@
   auto       cudnn on an NVIDIA GPU (16-bit compute), splash on TPU, otherwise blockwise
              from `AUTO_BLOCKWISE_FROM` keys on (xla below, where it is faster on CPU).
 
+The platform is the target's: the devices of the mesh the program is traced on
+(`sharding.use_mesh`; compile-only TPU or GPU devices when compiling ahead of time on
+a CPU host), else the default backend's. XLA cannot partition the fused kernels
+(Mosaic refuses, cuDNN's partitioner wants q, k and v alike), so on a mesh they run
+inside `shard_map`: rows split over the batch axes, heads over `tensor`, each device
+calling the kernel on its own rows and heads (`_on_shards`).
+
 Keys/values come in the KV cache's layout (`transformer.KVCache`), so the prefill path
 needs no transpose of the cache. `AttentionMask` says who attends to whom in O(T + S)
 memory: causal by slot, within a segment (packed rows), never to padding.
@@ -26,15 +33,19 @@ import jax
 import jax.numpy as jnp
 
 from exgrpo_jax import registry
+from exgrpo_jax import sharding
 from exgrpo_jax.models import blockwise
 from exgrpo_jax.models import config as config_lib
 
 IMPLEMENTATIONS = registry.Registry("attention implementation")
+# Kernels XLA cannot partition: on a mesh they run per shard (`_on_shards`).
+FUSED = ("cudnn", "splash")
 # auto on CPU: below this many key slots the einsum is as fast or faster (1.05x at 512,
 # blockwise 0.53x at 1024: scripts/bench_attention.py, docs/results/bench_attention_cpu.json).
 AUTO_BLOCKWISE_FROM = 1024
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
+P = jax.sharding.PartitionSpec
 
 
 @flax.struct.dataclass
@@ -128,48 +139,102 @@ def _splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
   return splash.attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
 
 
-def _is_nvidia_gpu() -> bool:
+def target() -> tuple[str, str]:
+  """(platform, device kind) of the devices this code runs on: the mesh being traced
+  on (`sharding.use_mesh`), else the default backend's first device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    device = mesh.abstract_device
+    return device.platform, str(device.device_kind)
   device = jax.devices()[0]
-  return device.platform in ("gpu", "cuda") and "nvidia" in device.device_kind.lower()
+  return device.platform, device.device_kind
 
 
-def supported(backend: str | None = None) -> tuple[str, ...]:
-  """The `model.attention` values this backend can run."""
-  backend = backend or jax.default_backend()
+def supported(platform: str | None = None, device_kind: str | None = None) -> tuple[str, ...]:
+  """The `model.attention` values `platform` (default: the target's) can run."""
+  if platform is None:
+    platform, device_kind = target()
   names = ["auto", "xla", "blockwise"]
-  if backend in ("gpu", "cuda") and _is_nvidia_gpu():
+  if platform in ("gpu", "cuda") and "nvidia" in (device_kind or "").lower():
     names.append("cudnn")
-  if backend == "tpu":
+  if platform == "tpu":
     names.append("splash")
   return tuple(names)
 
 
-def check_supported(name: str, backend: str | None = None) -> None:
-  """Raises ValueError (one line naming the alternatives) if `name` cannot run here."""
-  backend = backend or jax.default_backend()
+def check_supported(name: str, platform: str | None = None,
+                    device_kind: str | None = None) -> None:
+  """Raises ValueError (one line naming the alternatives) if `name` cannot run there."""
+  if platform is None:
+    platform, device_kind = target()
   if name not in config_lib.ATTENTIONS:
     raise ValueError(f"model.attention={name!r} is unknown; "
                      f"choose one of {', '.join(config_lib.ATTENTIONS)}")
-  if name not in supported(backend):
-    raise ValueError(f"model.attention={name!r} cannot run on backend {backend!r}; "
-                     f"choose one of {', '.join(supported(backend))}")
+  names = supported(platform, device_kind)
+  if name not in names:
+    raise ValueError(f"model.attention={name!r} cannot run on {device_kind or platform} "
+                     f"({platform}); choose one of {', '.join(names)}")
 
 
 def resolve(name: str, dtype, num_keys: int, with_cache: bool = False) -> str:
-  """The concrete implementation `name` stands for on this backend and shape."""
-  check_supported(name)
+  """The concrete implementation `name` stands for on the target and this shape."""
+  platform, device_kind = target()
+  check_supported(name, platform, device_kind)
   if name != "auto":
     return name
-  backend = jax.default_backend()
-  if "cudnn" in supported(backend) and jnp.dtype(dtype).itemsize == 2:
+  names = supported(platform, device_kind)
+  if "cudnn" in names and jnp.dtype(dtype).itemsize == 2:
     return "cudnn"
-  if "splash" in supported(backend) and not with_cache:
+  if "splash" in names and not with_cache:
     return "splash"
   return "blockwise" if num_keys >= AUTO_BLOCKWISE_FROM else "xla"
+
+
+def _on_shards(kernel, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
+  """`kernel` on each device's rows and heads of the traced mesh (see the docstring).
+
+  Rows split over the batch axes and heads over `tensor` where they divide. When the KV
+  heads cannot be split like the query heads (fewer KV heads than tensor shards), each
+  device keeps every KV head and takes the one its query heads share; where neither
+  works the heads stay whole.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
+  B, _, H, _ = q_BxTxHxDh.shape
+  K = k_BxKxDhxS.shape[1]
+  rows = sharding.spec(("batch",), (B,), mesh)[0]
+  heads = sharding.spec(("heads",), (H,), mesh)[0]
+  kv_heads = sharding.spec(("kv_heads",), (K,), mesh)[0]
+  shards = 1 if heads is None else mesh.shape[heads]
+  local_heads, group = H // shards, H // K
+  pick_kv_head = heads is not None and kv_heads != heads
+  if pick_kv_head and group % local_heads:
+    heads, pick_kv_head = None, False
+  kv_heads = heads if not pick_kv_head else None
+
+  def per_shard(q, k, v, mask):
+    if pick_kv_head:  # this shard's query heads all read KV head i * local_heads // group
+      first = jax.lax.axis_index(heads) * local_heads // group
+      k = jax.lax.dynamic_slice_in_dim(k, first, 1, axis=1)
+      v = jax.lax.dynamic_slice_in_dim(v, first, 1, axis=1)
+    return kernel(q, k, v, mask)
+
+  row = P(rows, None)
+  mask_spec = AttentionMask(row, None if mask.q_segment_BxT is None else row, P())
+  return jax.shard_map(
+      per_shard, mesh=mesh,
+      in_specs=(P(rows, None, heads, None), P(rows, kv_heads, None, None),
+                P(rows, kv_heads, None, None), mask_spec),
+      out_specs=P(rows, None, heads, None), check_vma=False)(
+          q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
 
 
 def attend(name, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
   """Attention output [B, T, H, Dh] (dtype of q) with implementation `name`."""
   impl = resolve(name, q_BxTxHxDh.dtype, k_BxKxDhxS.shape[3],
                  with_cache=q_BxTxHxDh.shape[1] != k_BxKxDhxS.shape[3])
-  return IMPLEMENTATIONS.get(impl)(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
+  kernel = IMPLEMENTATIONS.get(impl)
+  if impl in FUSED:
+    return _on_shards(kernel, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)
+  return kernel(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask)

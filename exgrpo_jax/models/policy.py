@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from exgrpo_jax import sharding
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import transformer
 
@@ -42,12 +43,18 @@ def unembedding(cfg, params) -> jax.Array:
 
 
 def _init_boxed(cfg, rng):
-  return module(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+  # The parameters do not depend on the attention kernel; the einsum traces anywhere
+  # (a fused kernel would need the target's devices, e.g. under AOT compilation).
+  init_cfg = dataclasses.replace(cfg, attention="xla")
+  return module(init_cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
-def init_params(cfg: config_lib.ModelConfig, rng: jax.Array) -> Params:
-  """Random parameters (for tests and random-init benchmarks)."""
-  return nn.unbox(jax.jit(functools.partial(_init_boxed, cfg))(rng))
+def init_params(cfg: config_lib.ModelConfig, rng: jax.Array, shardings=None) -> Params:
+  """Random parameters (tests, random-init runs and benchmarks); with `shardings`
+  (`param_shardings`) each is created on its shards, never whole on one device."""
+  init = lambda rng: nn.unbox(_init_boxed(cfg, rng))
+  placed = {} if shardings is None else {"out_shardings": shardings}
+  return jax.jit(init, **placed)(rng)
 
 
 def abstract_params(cfg: config_lib.ModelConfig) -> Params:
@@ -59,6 +66,12 @@ def logical_axes(cfg: config_lib.ModelConfig) -> Params:
   """The logical axis names of every parameter, e.g. ('layers', 'embed', 'mlp')."""
   boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
   return nn.get_partition_spec(boxed)
+
+
+def param_shardings(cfg: config_lib.ModelConfig, mesh, rules=sharding.LEARNER_RULES):
+  """A NamedSharding for every parameter of `cfg`'s model on `mesh` (a tree like the
+  params), by the logical-axis `rules` of `exgrpo_jax.sharding`."""
+  return sharding.tree_shardings(logical_axes(cfg), abstract_params(cfg), mesh, rules)
 
 
 @dataclasses.dataclass

@@ -8,7 +8,6 @@ at a traced cache offset, which a static splash mask cannot express) runs `block
 `interpret=True` runs the kernel in Pallas's interpreter (CPU tests).
 """
 
-import functools
 import math
 
 import jax
@@ -22,8 +21,10 @@ _LANES = 128
 BLOCK = 512
 
 
-@functools.lru_cache(maxsize=16)
 def _kernel(groups: int, length: int, interpret: bool):
+  """The splash MQA kernel for `groups` query heads per KV head. Built in each trace, not
+  cached: its mask tables are arrays of the trace that builds them (inside `shard_map`,
+  values of that trace's mesh)."""
   block = math.gcd(BLOCK, length)
   sizes = kernel.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                             block_q_dkv=block, block_kv_dkv=block,

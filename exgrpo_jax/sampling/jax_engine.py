@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from exgrpo_jax import models
 from exgrpo_jax import sharding
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.sampling import base
@@ -166,14 +167,16 @@ class JaxEngine:
   def _rollout_params(self, params):
     """The rollout copy of sharded params (see the module docstring); others as they are."""
     mesh = sharding.mesh_of(params)
-    if mesh is None:
-      return params
+    return params if mesh is None else self.rollout_copy_program(mesh)(params)
+
+  def rollout_copy_program(self, mesh):
+    """The jitted reshard-and-cast of the learner's params to the rollout copy on `mesh`."""
     if mesh not in self._reshard:
       dtype = config_lib.dtype_from_name(self.model_cfg.dtype)
       self._reshard[mesh] = jax.jit(
           lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
-          out_shardings=sharding.param_shardings(self.model_cfg, mesh, self.rules))
-    return self._reshard[mesh](params)
+          out_shardings=models.param_shardings(self.model_cfg, mesh, self.rules))
+    return self._reshard[mesh]
 
   def _continuous_slots(self, rows: int, max_new_tokens: int) -> int:
     """The slots continuous scheduling decodes `rows` rows in; 0: the static loop."""
@@ -260,7 +263,8 @@ class JaxEngine:
     if signature not in _COMPILED:
       start = time.perf_counter()
       cfg = (self._program_cfg,) if takes_cfg else ()
-      _COMPILED[signature] = program.lower(*cfg, *args, **static).compile()
+      with sharding.use_mesh(sharding.mesh_of(args)):
+        _COMPILED[signature] = program.lower(*cfg, *args, **static).compile()
       self.stats["compiles"] += 1
       self.stats["compile_s"] += time.perf_counter() - start
     memory = _COMPILED[signature].memory_analysis()

@@ -76,11 +76,13 @@ def score_responses(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: 
   mesh = sharding.mesh_of(params)
   if mesh is not None:
     rows = sharding.put_batch(rows, mesh)
-  return _score_fn(mesh)(cfg, params, *rows, chunk)
+  with sharding.use_mesh(mesh):
+    return score_program(mesh)(cfg, params, *rows, chunk)
 
 
 @functools.lru_cache(maxsize=None)
-def _score_fn(mesh):
+def score_program(mesh):
+  """The jitted `response_stats` that `score_responses` runs on `mesh` (None: unsharded)."""
   out = {} if mesh is None else {"out_shardings": sharding.replicated(mesh)}
   return jax.jit(response_stats, static_argnums=(0, 5), **out)
 
@@ -155,10 +157,16 @@ def train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_cl
   mesh = sharding.mesh_of(params)
   if mesh is not None:
     batch = sharding.put_batch(batch, mesh, batch_dim=1)
+  with sharding.use_mesh(mesh):
+    return step_program(params, opt_state)(params, opt_state, batch, cfg=cfg, algo=algo,
+                                           optim=optim, use_clip=use_clip, chunk=chunk)
+
+
+def step_program(params, opt_state):
+  """The jitted step `train_step` runs for parameter and optimizer state with these
+  shardings (arrays, or ShapeDtypeStructs when compiling ahead of time)."""
   flat, treedef = jax.tree.flatten(sharding.shardings_of((params, opt_state)))
-  step = _compiled_step(treedef, tuple(flat))
-  return step(params, opt_state, batch, cfg=cfg, algo=algo, optim=optim, use_clip=use_clip,
-              chunk=chunk)
+  return _compiled_step(treedef, tuple(flat))
 
 
 @functools.lru_cache(maxsize=None)

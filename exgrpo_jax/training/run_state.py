@@ -72,10 +72,10 @@ class RunState:
             f"is not a multiple of the mesh's {sharding.batch_shards(self.mesh)} batch "
             "shards (data x fsdp): every device will compute whole micro-batches",
             file=sys.stderr)
-    self.param_shardings = sharding.param_shardings(self.model_cfg, self.mesh)
+    self.param_shardings = models.param_shardings(self.model_cfg, self.mesh)
     self._tx = learner.make_optimizer(config.optim)
-    self.opt_shardings = sharding.optimizer_shardings(self._tx, self.model_cfg,
-                                                      self.param_shardings)
+    self.opt_shardings = sharding.optimizer_shardings(
+        self._tx, models.abstract_params(self.model_cfg), self.param_shardings)
     self.params = sharding.abstract(models.abstract_params(self.model_cfg),
                                     self.param_shardings)
     self.opt_state = sharding.abstract(jax.eval_shape(self._tx.init, self.params),
@@ -129,8 +129,8 @@ class RunState:
   def init_weights(self) -> None:
     """Initial params (random or `model.path`) and a fresh optimizer, created sharded."""
     if self.config.model.random_init:
-      self.params = sharding.init_params(self.model_cfg, jax.random.key(self.config.train.seed),
-                                         self.param_shardings)
+      self.params = models.init_params(self.model_cfg, jax.random.key(self.config.train.seed),
+                                       self.param_shardings)
     else:
       self.params = loading.load_params(self._hf_dir, self.model_cfg, self.param_shardings)
     self.opt_state = sharding.init_optimizer(self._tx, self.params, self.opt_shardings)
