@@ -16,7 +16,6 @@ pass --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or set
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); see exgrpo_jax.distributed.
 """
 
-import os
 import sys
 
 from absl import app
@@ -27,15 +26,7 @@ from ml_collections import config_flags
 from exgrpo_jax import cli
 
 
-def _make_config_files_importable(argv):
-  """Config files import `configs.common`; put their repository root on sys.path."""
-  for arg in argv:
-    if arg.startswith("--config="):
-      path = arg.split("=", 1)[1].split(":", 1)[0]
-      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
-
-
-_make_config_files_importable(sys.argv)
+cli.make_config_files_importable(sys.argv)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, logs).")

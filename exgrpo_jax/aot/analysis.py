@@ -1,0 +1,157 @@
+"""What one compiled program tells: memory, FLOPs, collectives, and a roofline estimate.
+
+Memory comes from XLA (`compiled.memory_analysis()`, per device): the arguments,
+outputs, temporaries and the peak, set against the target's usable memory. XLA's own
+`cost_analysis()` (per device) counts every loop body once, whatever its trip count:
+the learner's scan over micro-batches and layers, the decode loop. Its figures are
+recorded as they are (`xla_flops`, `xla_bytes`), and the estimates use loop-aware counts:
+
+  flops     the matmul FLOPs of the traced program (`matmul_flops`: dot_general, the
+            fused attention kernels, each scan body times its length, each decode-loop
+            body times the program's steps), over the target's devices: an even split
+            is assumed.
+  bytes     what each device must read from HBM at least: its arguments and outputs
+            once per call (`memory_analysis`), and the decode loop's weights and KV
+            cache once per step (the program's `streamed` arguments' shards).
+  roofline  max(flops / peak FLOP/s, bytes / HBM bandwidth) per call: a lower bound
+            on the time that ignores communication, kernel efficiency and host work.
+"""
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                "collective-permute", "collective-broadcast")
+_COLLECTIVE_RE = re.compile(r"\b(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+
+
+@dataclasses.dataclass
+class Result:
+  """One program's figures (bytes per device; `error` set when it did not compile)."""
+
+  name: str
+  purpose: str
+  error: str = ""
+  compile_s: float = 0.0
+  peak_bytes: int = 0
+  argument_bytes: int = 0
+  output_bytes: int = 0
+  temp_bytes: int = 0
+  alias_bytes: int = 0
+  usable_bytes: int = 0
+  xla_flops: float = 0.0
+  xla_bytes: float = 0.0
+  flops_per_device: float = 0.0
+  hbm_bytes_per_call: float = 0.0
+  collectives: dict = dataclasses.field(default_factory=dict)
+  roofline_s: float = 0.0
+  calls_per_step: float = 0.0
+
+  @property
+  def fits(self) -> bool:
+    return not self.error and self.peak_bytes <= self.usable_bytes
+
+
+def _subjaxprs(value):
+  """The jaxprs inside an equation parameter (a jaxpr, a closed one, or a tuple)."""
+  if isinstance(value, jax.extend.core.ClosedJaxpr):
+    return [value.jaxpr]
+  if isinstance(value, jax.extend.core.Jaxpr):
+    return [value]
+  if isinstance(value, (tuple, list)):
+    return [j for v in value for j in _subjaxprs(v)]
+  return []
+
+
+def _attention_flops(eqn, passes: int) -> float:
+  """A fused attention call: `passes` [T x S] matmuls per head (2 forward, 5 backward:
+  recomputed scores, dV, dP, dQ, dK), over the whole T x S product."""
+  q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, T, H, Dh], [B, S, K, Dh]
+  return 2.0 * passes * q[0] * q[1] * q[2] * q[3] * k[1]
+
+
+def matmul_flops(jaxpr, loop_steps: int = 1) -> float:
+  """Matmul FLOPs of `jaxpr` (global shapes), loops counted by their trip counts; a
+  while loop's body counts `loop_steps` times (the caller knows its decode steps)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name, params = eqn.primitive.name, eqn.params
+    if name == "dot_general":
+      (lhs_contract, _), _ = params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
+          lhs[i] for i in lhs_contract)
+    elif name.startswith("dot_product_attention_fwd"):
+      total += _attention_flops(eqn, 2)
+    elif name.startswith("dot_product_attention_bwd"):
+      total += _attention_flops(eqn, 5)
+    elif name == "pallas_call":
+      grid = params["grid_mapping"].grid
+      total += math.prod(grid) * matmul_flops(params["jaxpr"], loop_steps)
+    elif name == "scan":
+      total += params["length"] * matmul_flops(params["jaxpr"].jaxpr, loop_steps)
+    elif name == "while":
+      total += loop_steps * matmul_flops(params["body_jaxpr"].jaxpr, loop_steps)
+    elif name == "cond":
+      total += max(matmul_flops(b.jaxpr, loop_steps) for b in params["branches"])
+    elif name == "shard_map":
+      axes = params.get("manual_axes") or params.get("axis_names") or ()
+      shards = math.prod(params["mesh"].shape[a] for a in axes)
+      total += shards * matmul_flops(params["jaxpr"], loop_steps)
+    else:
+      total += sum(matmul_flops(j, loop_steps) for v in params.values()
+                   for j in _subjaxprs(v))
+  return total
+
+
+def shard_bytes(tree) -> int:
+  """Bytes one device holds of `tree`'s arrays (ShapeDtypeStructs with shardings)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      continue
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def collectives(hlo_text: str) -> dict:
+  """How many of each collective the compiled program's text holds (loop bodies once)."""
+  counts = {}
+  for kind in _COLLECTIVE_RE.findall(hlo_text):
+    counts[kind] = counts.get(kind, 0) + 1
+  return counts
+
+
+def xla_cost(compiled) -> dict:
+  """XLA's cost analysis (per device, loop bodies once); XLA:GPU's compile-only
+  executable offers none, so its HLO module is costed by the host's analysis."""
+  cost = compiled.cost_analysis()
+  if cost is None:  # pragma: no cover - depends on the backend
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+    module = compiled.runtime_executable().hlo_modules()[0]
+    cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return cost or {}
+
+
+def peak_bytes(memory) -> int:
+  """The compiler's peak, or (older JAX) arguments + outputs + temporaries - aliases."""
+  peak = getattr(memory, "peak_memory_in_bytes", 0)
+  return int(peak or (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                      + memory.temp_size_in_bytes - memory.alias_size_in_bytes))
+
+
+def roofline(result: Result, streamed_bytes: int, steps: int, peak_flops: float,
+             bandwidth: float) -> None:
+  """Fills `result`'s HBM bytes per call and roofline time (see the module docstring)."""
+  result.hbm_bytes_per_call = (result.argument_bytes + result.output_bytes
+                               + steps * streamed_bytes)
+  result.roofline_s = max(result.flops_per_device / peak_flops,
+                          result.hbm_bytes_per_call / bandwidth)

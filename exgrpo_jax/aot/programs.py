@@ -1,0 +1,236 @@
+"""Every program a training step runs, as abstract calls for ahead-of-time compilation.
+
+`training_step(config, model_cfg, mesh)` lists them with the shapes and shardings the
+trainer gives them, at the config's worst case (every prompt at `data.max_prompt_tokens`,
+every response at `rollout.max_new_tokens`, the whole batch fresh):
+
+  learner_step    `learner.train_step`'s program: one optimizer step over a mini-batch
+                  of micro-batches of packed rows (AdamW, parameters and state donated)
+  score           `learner.score_responses`' program: one batch of rows through the
+                  forward pass (the old-log-prob recompute and trajectory selection)
+  rollout_copy    the sampler's resharded, compute-dtype copy of the parameters
+  generate        the static decode loop (`decode.generate`), where the engine uses it;
+                  otherwise continuous batching's programs (`sampling.slots`):
+  prepare_layers, empty (the page pool at its first size), repage_layer (one layer of
+  it grown to its largest), admit (prefill of the most prompts one call takes), place,
+  select, decode_chunk (over the largest pool), release
+
+Evaluation runs the rollout's programs with the eval settings; those that differ from
+the rollout's are listed again as `eval_*`. The calls are the real jitted functions:
+what `exgrpo_jax.aot` compiles is what the trainer would run.
+"""
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from exgrpo_jax import models
+from exgrpo_jax import sampling
+from exgrpo_jax import sharding
+from exgrpo_jax.sampling import continuous
+from exgrpo_jax.sampling import decode
+from exgrpo_jax.sampling import jax_engine
+from exgrpo_jax.sampling import pages
+from exgrpo_jax.sampling import slots as slots_lib
+from exgrpo_jax.training import learner
+from exgrpo_jax.training import padding
+
+
+@dataclasses.dataclass
+class Program:
+  """One jitted function called with abstract arguments.
+
+  args: given the abstract outputs of the programs compiled before (by name), the
+    positional arguments; kwargs are the static ones.
+  calls: how often a training step calls it (for the step's estimate).
+  steps: iterations of its decode loop per call (1: no loop).
+  streamed: positional arguments the decode loop reads at every step (weights, cache).
+  """
+
+  name: str
+  purpose: str
+  fn: Any
+  args: Callable[[dict], tuple]
+  kwargs: dict = dataclasses.field(default_factory=dict)
+  calls: float = 1.0
+  steps: int = 1
+  streamed: tuple = ()
+
+
+def _struct(shape, dtype, mesh, split: bool = False):
+  sharding_ = (sharding.batch_sharding(mesh, shape) if split and len(shape)
+               else sharding.replicated(mesh))
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_)
+
+
+def _key_dtype():
+  return jax.random.key(0).dtype
+
+
+def learner_programs(config, cfg, mesh) -> tuple[list[Program], Any]:
+  """The learner's step and the scoring pass; also returns the abstract parameters."""
+  tx = learner.make_optimizer(config.optim)
+  param_shardings = models.param_shardings(cfg, mesh)
+  abstract = models.abstract_params(cfg)
+  params = sharding.abstract(abstract, param_shardings)
+  opt_state = sharding.abstract(jax.eval_shape(tx.init, abstract),
+                                sharding.optimizer_shardings(tx, abstract, param_shardings))
+  rows = config.train.batch_questions * config.rollout.k
+  R = config.rollout.max_new_tokens
+  T = padding.prompt_bucket(config.data.max_prompt_tokens) + R
+  micro = config.optim.micro_batch_size
+  num_micro = -(-(-(-rows // config.optim.mini_batches)) // micro)
+  shapes = dict(tokens_MxBxT=(T, jnp.int32), segment_ids_MxBxT=(T, jnp.int32),
+                index_MxBxR=(R, jnp.int32), mask_MxBxR=(R, bool),
+                old_logp_MxBxR=(R, jnp.float32), adv_MxBxR=(R, jnp.float32),
+                is_replay_MxBxR=(R, bool), weight_MxBxR=(R, jnp.float32))
+  batch = sharding.placed(learner.TrainBatch(**{
+      name: jax.ShapeDtypeStruct((num_micro, micro, n), dtype)
+      for name, (n, dtype) in shapes.items()}), mesh, batch_dim=1)
+  # The mixed phase's step (no clipping unless configured): most of a run's steps.
+  step = Program(
+      "learner_step", f"one optimizer step: {num_micro} micro-batches of {micro} rows x "
+      f"{T} tokens", learner.step_program(params, opt_state),
+      lambda _: (params, opt_state, batch),
+      dict(cfg=cfg, algo=learner.frozen(config.algo), optim=learner.frozen(config.optim),
+           use_clip=bool(config.algo.clip_after_delayed_start),
+           chunk=config.train.logprob_chunk),
+      calls=config.optim.mini_batches)
+  score_rows = sharding.placed((jax.ShapeDtypeStruct((micro, T), jnp.int32),
+                                jax.ShapeDtypeStruct((micro, T), jnp.int32),
+                                jax.ShapeDtypeStruct((micro, R), jnp.int32)), mesh)
+  # Old log-probs are recomputed for every fresh response (one row each at worst).
+  score = Program(
+      "score", f"log-probs and entropies of {micro} rows x {T} tokens (old-log-prob "
+      "recompute, trajectory selection)", learner.score_program(mesh),
+      lambda _: (cfg, params, *score_rows, config.train.logprob_chunk),
+      calls=math.ceil(rows / micro) if _recomputes(config) else 0)
+  return [step, score], params
+
+
+def _recomputes(config) -> bool:
+  """Whether pi_old comes from the learner's forward pass (`algo.old_logp_source`)."""
+  source = config.algo.old_logp_source
+  return source == "recompute" or (source == "auto" and (
+      config.model.dtype != "float32" or config.rollout.engine != "jax"
+      or config.rollout.temperature != 1.0))
+
+
+def rollout_key(engine, sampling_cfg, rows: int, prompt_len: int) -> tuple:
+  """What decides the shapes and options of `rollout_programs`' programs."""
+  N = sampling_cfg.max_new_tokens
+  slots = engine._continuous_slots(rows, N)  # pylint: disable=protected-access
+  return (slots or decode.bucket(min(rows, engine.max_rows or rows)), N,
+          jax_engine.length_bucket(prompt_len, engine.min_prompt_bucket),
+          sampling_cfg.is_greedy, sampling_cfg.top_k, sampling_cfg.top_p < 1.0,
+          sampling_cfg.return_entropy)
+
+
+def rollout_programs(engine, cfg, mesh, learner_params, sampling_cfg, rows: int,
+                     prompts: int, prompt_len: int, prefix: str = "") -> list[Program]:
+  """The programs `engine.generate` runs for `rows` rows of `prompts` prompts."""
+  N = sampling_cfg.max_new_tokens
+  L = jax_engine.length_bucket(prompt_len, engine.min_prompt_bucket)
+  pcfg = engine._program_cfg  # pylint: disable=protected-access
+  E = len(engine.eos_ids)
+  scalars = tuple(_struct((), dtype, mesh) for dtype in (jnp.float32, jnp.float32, bool)) + (
+      _struct((E,), jnp.int32, mesh),)
+  options = dict(max_new_tokens=N, top_k=0 if sampling_cfg.is_greedy else sampling_cfg.top_k,
+                 use_top_p=not sampling_cfg.is_greedy and sampling_cfg.top_p < 1.0,
+                 return_entropy=sampling_cfg.return_entropy)
+  copy = Program("rollout_copy", "the sampler's copy of the parameters",
+                 engine.rollout_copy_program(mesh), lambda _: (learner_params,))
+  params = lambda out: out["rollout_copy"]  # evaluation shares the rollout's copy
+  slots = engine._continuous_slots(rows, N)  # pylint: disable=protected-access
+  if not slots:
+    per_call = min(rows, engine.max_rows or rows)
+    B, P = decode.bucket(per_call), decode.bucket(max(per_call * prompts // rows, 1))
+    batch = sharding.placed((jax.ShapeDtypeStruct((P, L), jnp.int32),
+                             jax.ShapeDtypeStruct((P, L), bool),
+                             jax.ShapeDtypeStruct((B,), jnp.int32),
+                             jax.ShapeDtypeStruct((B,), bool),
+                             jax.ShapeDtypeStruct((B,), _key_dtype())), mesh)
+    phases = engine._phases(sampling_cfg)  # pylint: disable=protected-access
+    return [copy, Program(
+        prefix + "generate", f"prefill and decode {B} rows (static loop)", decode.generate,
+        lambda out: (pcfg, params(out), *batch, *scalars), dict(options, phases=phases),
+        calls=-(-rows // per_call), steps=N, streamed=(1,))]
+  floor = sharding.batch_shards(mesh)
+  table = pages.PageTable(slots, engine.page_size, L, N, continuous._POOL_SIZES, floor)  # pylint: disable=protected-access
+  pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
+  grows_from = table.sizes[-2] if len(table.sizes) > 1 else pool  # the costliest growth
+  A = min(continuous._MAX_ROWS, slots)  # pylint: disable=protected-access
+  P = decode.bucket(continuous._MAX_PROMPTS)  # pylint: disable=protected-access
+  steps = engine.chunk_steps
+  i32 = lambda *shape: _struct(shape, jnp.int32, mesh)
+  # The pool starts at its smallest size and grows layer by layer (`slots.repage`); the
+  # later programs take it at its largest, the memory's worst case.
+  grown = lambda out: out[prefix + "empty"][0].replace(
+      caches=(out[prefix + "repage_layer"],) * cfg.num_layers)
+  return [
+      copy,
+      Program(prefix + "prepare_layers", "per-layer decode weights", slots_lib.prepare_layers,
+              lambda out: (pcfg, params(out))),
+      Program(prefix + "empty", f"{slots} slots and the page pool at its first size "
+              f"({table.pages} pages of {engine.page_size})", slots_lib.empty,
+              lambda out: (pcfg, params(out), _struct((), _key_dtype(), mesh)),
+              dict(slots=slots, pages=table.pages, page_size=engine.page_size, prompt_len=L,
+                   mesh=mesh)),
+      Program(prefix + "repage_layer", f"one layer of the pool grown from {grows_from} to "
+              f"its largest, {pool} pages", slots_lib.repage_layer,
+              lambda out: (tuple(_struct((grows_from,) + x.shape[1:], x.dtype, mesh, True)
+                                 for x in out[prefix + "empty"][0].caches[0]), i32(pool)),
+              dict(mesh=mesh), calls=0),
+      Program(prefix + "admit", f"prefill of {P} prompts x {L} tokens into {A} rows",
+              slots_lib.admit,
+              lambda out: (pcfg, params(out), out[prefix + "empty"][1],
+                           _struct((P, L), jnp.int32, mesh), _struct((P, L), bool, mesh),
+                           i32(A), i32()),
+              calls=-(-prompts // continuous._MAX_PROMPTS)),  # pylint: disable=protected-access
+      Program(prefix + "place", f"{A} admitted rows into slots and pages", slots_lib.place,
+              lambda out: (grown(out), out[prefix + "admit"][0], i32(A),
+                           i32(A, -(-L // engine.page_size)), _struct((A,), _key_dtype(), mesh)),
+              calls=-(-rows // A)),
+      Program(prefix + "select", f"the live half of {slots} slots", slots_lib.select,
+              lambda out: (grown(out).replace(caches=()), i32(slots // 2)), dict(mesh=mesh),
+              calls=0),
+      Program(prefix + "decode_chunk", f"{steps} decode steps of {slots} slots over the "
+              f"{pool}-page pool", slots_lib.decode_chunk,
+              lambda out: (pcfg, params(out), out[prefix + "prepare_layers"], grown(out),
+                           i32(), i32(slots, per_row), i32(pool), i32(pool), *scalars),
+              options | dict(steps=steps), calls=rows * N / slots / steps, steps=steps,
+              streamed=(2, 3)),
+      Program(prefix + "release", "slots freed by stop strings", slots_lib.release,
+              lambda out: (grown(out), _struct((slots,), bool, mesh)), calls=0),
+  ]
+
+
+def training_step(config, cfg, mesh) -> list[Program]:
+  """Every program of one training step of `config` for model `cfg` on `mesh`."""
+  programs, params = learner_programs(config, cfg, mesh)
+  engine = sampling.make_engine("jax", cfg, None, max_rows=config.rollout.max_rows or None,
+                                scheduler=config.rollout.scheduler)
+  rows = config.train.batch_questions * config.rollout.k
+  train_sampling = sampling.SamplingConfig(
+      temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+      top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
+  rollout = rollout_programs(engine, cfg, mesh, params, train_sampling, rows,
+                             config.train.batch_questions, config.data.max_prompt_tokens)
+  programs += rollout
+  if config.eval.every or config.eval.before_train:
+    eval_sampling = sampling.SamplingConfig(
+        temperature=config.eval.temperature, greedy=config.eval.temperature == 0,
+        max_new_tokens=config.eval.max_new_tokens)
+    # The evaluation set's size is the data's; at worst it fills the rollout's slots.
+    eval_rows = max(config.eval.n * (config.eval.limit or rows), 1)
+    prompt_len = config.data.max_prompt_tokens
+    if (rollout_key(engine, eval_sampling, eval_rows, prompt_len)
+        != rollout_key(engine, train_sampling, rows, prompt_len)):
+      evaluation = rollout_programs(engine, cfg, mesh, params, eval_sampling, eval_rows,
+                                    max(eval_rows // config.eval.n, 1), prompt_len,
+                                    prefix="eval_")
+      programs += [dataclasses.replace(p, calls=0) for p in evaluation[1:]]
+  return programs

@@ -1,0 +1,52 @@
+"""Run by `aot_test` in an AOT environment (`scripts/aot_env.sh`): compiles a tiny
+Qwen2-shaped learner step (GQA, q/k/v biases) for a target and prints JSON.
+
+  python -m tests.aot_child TARGET ATTENTION MESH [--unsharded-kernels]
+
+`--unsharded-kernels` calls the fused kernel without `shard_map` (what the code did
+before `attention._on_shards`), the case the compilers refused.
+"""
+
+import json
+import sys
+
+
+def main(argv) -> None:
+  target_name, attention_name, mesh_shape = argv[1], argv[2], argv[3]
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  targets.prepare_environment()
+  from configs import common  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import models  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import programs  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.models import attention  # pylint: disable=g-import-not-at-top
+
+  if "--unsharded-kernels" in argv:
+    attention._on_shards = lambda kernel, *args: kernel(*args)  # pylint: disable=protected-access
+  c = common.base_config()
+  c.mesh.shape = tuple(int(n) for n in mesh_shape.split("x"))
+  c.train.batch_questions, c.rollout.k = 2, 4
+  c.data.max_prompt_tokens, c.rollout.max_new_tokens = 128, 128
+  c.optim.micro_batch_size, c.optim.mini_batches = 4, 1
+  c.train.logprob_chunk = 64
+  cfg = models.ModelConfig(
+      model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
+      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, attention_bias=True,
+      tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32", remat="full",
+      attention=attention_name, eos_token_id=(1,))
+  target = targets.get(target_name)
+  mesh = sharding.make_mesh(c.mesh, targets.devices(target))
+  step, score = programs.learner_programs(c, cfg, mesh)[0]
+  out = {}
+  results = [check.compile_program(p, out, mesh, target) for p in (step, score)]
+  with sharding.use_mesh(mesh):
+    resolved = attention.resolve("auto", "bfloat16", 256)
+  print(json.dumps(dict(
+      platform=mesh.devices.flat[0].platform, device_kind=mesh.devices.flat[0].device_kind,
+      auto=resolved, programs={r.name: dict(error=r.error, peak_bytes=r.peak_bytes,
+                                            collectives=r.collectives) for r in results})))
+
+
+if __name__ == "__main__":
+  main(sys.argv)

@@ -1,0 +1,155 @@
+"""`exgrpo_jax.aot.programs` compiles what the trainer really runs.
+
+A real rollout (JaxEngine, continuous batching: rows waiting for slots, a pool that
+grows to its largest, a tail in half the slots) and a real learner step record the
+programs they compile; the AOT list for the same config must name the same programs
+with the same argument shapes, dtypes and static options. On the host's CPU, where
+both can run, so a change to either side that the other does not follow fails here.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import common
+from exgrpo_jax import data
+from exgrpo_jax import models
+from exgrpo_jax import sampling
+from exgrpo_jax import sharding
+from exgrpo_jax.aot import analysis
+from exgrpo_jax.aot import check
+from exgrpo_jax.aot import programs as programs_lib
+from exgrpo_jax.aot import targets
+from exgrpo_jax.sampling import jax_engine
+from exgrpo_jax.training import actor as actor_lib
+from exgrpo_jax.training import groups as groups_lib
+from exgrpo_jax.training import learner
+
+CFG = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=(1,))
+HOST = targets.Target("cpu", "host", 1, "cpu", hbm_bytes=2 ** 40, peak_flops=1e12,
+                      hbm_bandwidth=1e11)
+
+
+def small_config():
+  c = common.base_config()
+  c.train.batch_questions, c.rollout.k = 6, 2  # 12 rows through 8 slots
+  c.rollout.max_rows, c.rollout.max_new_tokens = 8, 40
+  c.data.max_prompt_tokens = 20
+  c.rollout.temperature = 1.0
+  c.optim.micro_batch_size, c.optim.mini_batches = 4, 1
+  c.train.logprob_chunk = 16
+  c.mesh.shape = (1, 1)
+  c.eval.every = 0
+  return c
+
+
+def _shapes(args):
+  return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args))
+
+
+@pytest.fixture(scope="module")
+def aot_programs():
+  mesh = sharding.make_mesh(small_config().mesh, jax.devices()[:1])
+  listed = programs_lib.training_step(small_config(), CFG, mesh)
+  outputs, compiled = {}, {}
+  for program in listed:
+    result = check.compile_program(program, outputs, mesh, HOST)
+    assert not result.error, (program.name, result.error)
+    compiled[program.name] = (program, program.args(outputs))
+  return compiled
+
+
+def test_rollout_programs_are_the_engines(aot_programs, monkeypatch):
+  c = small_config()
+  seen = []
+  real_compiled = jax_engine.JaxEngine.compiled
+
+  def spy(self, program, args, static, takes_cfg=True):
+    seen.append((program, _shapes(args), tuple(sorted(static.items()))))
+    return real_compiled(self, program, args, static, takes_cfg)
+  monkeypatch.setattr(jax_engine.JaxEngine, "compiled", spy)
+  engine = sampling.make_engine("jax", CFG, None, max_rows=c.rollout.max_rows,
+                                ignore_eos=True)
+  # EOS ignored (its id -1 is one id, as CFG's): every row reaches max_new_tokens, so the
+  # pool reaches its largest size.
+  params = models.init_params(CFG, jax.random.key(0))
+  prompts = [list(range(2, 2 + c.data.max_prompt_tokens))] * c.train.batch_questions
+  engine.generate(prompts, c.rollout.k, params, jax.random.key(1),
+                  sampling.SamplingConfig(max_new_tokens=c.rollout.max_new_tokens))
+  names = [n for n in aot_programs if n not in ("learner_step", "score", "rollout_copy",
+                                                "release")]
+  assert names == ["prepare_layers", "empty", "repage_layer", "admit", "place", "select",
+                   "decode_chunk"]
+  for name in names:
+    program, args = aot_programs[name]
+    if name in ("prepare_layers", "empty", "admit", "decode_chunk"):
+      args = args[1:]  # the engine passes its config itself
+    signature = (program.fn, _shapes(args), _static(program.kwargs))
+    same_fn = [(f, a, _static(dict(st))) for f, a, st in seen if f is program.fn]
+    if name in ("place", "repage_layer"):  # at whatever size the pool has then
+      layer = getattr(args[0], "caches", (args[0],))[0]
+      same_fn = [(f, _pool_as(a, layer), st) for f, a, st in same_fn]
+    assert signature in same_fn, (name, [_diff(signature, other) for other in same_fn])
+
+
+def _diff(ours, theirs) -> list:
+  """Where two signatures differ: (argument index, ours, theirs), or the static options."""
+  if len(ours[1]) != len(theirs[1]):
+    return [("arguments", len(ours[1]), len(theirs[1]))]
+  found = [(i, a, b) for i, (a, b) in enumerate(zip(ours[1], theirs[1])) if a != b]
+  return found + ([("static", ours[2], theirs[2])] if ours[2] != theirs[2] else [])
+
+
+def _static(kwargs):
+  return tuple(sorted((k, v) for k, v in kwargs.items() if k != "mesh"))
+
+
+def _pool_as(shapes, layer):
+  """`shapes` with every pool layer's page count (the leading dimension of arrays shaped
+  like `layer`'s k and v but for it) set to `layer`'s."""
+  trailing = {tuple(x.shape[1:]): x.shape[0] for x in layer}
+  return tuple(((trailing[s[1:]],) + s[1:], d) if s[1:] in trailing else (s, d)
+               for s, d in shapes)
+
+
+def test_learner_step_is_the_actors(aot_programs, monkeypatch):
+  c = small_config()
+  seen = []
+  real_step = learner.train_step
+
+  def spy(params, opt_state, batch, **kw):
+    seen.append((_shapes(batch), kw["use_clip"], kw["chunk"]))
+    return real_step(params, opt_state, batch, **kw)
+  monkeypatch.setattr(learner, "train_step", spy)
+  actor = actor_lib.Actor(c, CFG, pad_id=0)
+  tx = learner.make_optimizer(c.optim)
+  params = models.init_params(CFG, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  prompt = data.Prompt(question=None, ids=tuple(range(2, 2 + c.data.max_prompt_tokens)),
+                       text="", think_gate=False)
+  groups = [groups_lib.Group(prompt, [groups_lib.Response(
+      tokens=rng.integers(2, 64, c.rollout.max_new_tokens).astype(np.int32),
+      old_logp=np.full(c.rollout.max_new_tokens, -1.0, np.float32), text="")
+      for _ in range(c.rollout.k)], advantages=np.array([0.5, -0.5]))
+            for _ in range(c.train.batch_questions)]
+  actor.update(params, tx.init(params), groups, use_clip=False, rng=rng)
+  program, args = aot_programs["learner_step"]
+  assert seen == [(_shapes(args[2]), program.kwargs["use_clip"], program.kwargs["chunk"])]
+
+
+def test_flop_count_matches_the_model_on_a_loop_free_program():
+  """The loop-aware count against XLA's, where there is no loop to disagree on."""
+  cfg = dataclasses.replace(CFG, num_layers=1)
+  params = models.init_params(cfg, jax.random.key(0))
+  forward = jax.jit(lambda p, t: models.apply(cfg, p, t)[0])
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  traced = forward.trace(params, tokens)
+  counted = analysis.matmul_flops(traced.jaxpr.jaxpr)
+  xla = traced.lower().compile().cost_analysis()
+  xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+  # Matmuls only: XLA's count adds the element-wise work (norms, softmax, RoPE).
+  assert 0.8 * xla["flops"] <= counted <= xla["flops"]
