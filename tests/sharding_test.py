@@ -27,6 +27,7 @@ def _child(outdir: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   from exgrpo_jax import models, sampling, sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.sampling import slots as slots_lib  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import packing  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, REPO)
@@ -100,6 +101,12 @@ def _child(outdir: str) -> None:
         unsplit_after_steps=_unsplit_large_leaves(params, opt_state),
         param_bytes_per_device=sharding.bytes_per_device(params),
         param_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
+    # The continuous-batching pool: by page over the batch axes, by KV head over tensor.
+    pool = slots_lib.empty.lower(
+        cfg, jax.device_put(sample_params, param_shardings), jax.random.key(0), slots=8,
+        pages=16, page_size=4, prompt_len=8, mesh=mesh).compile().output_shardings[0]
+    summary[name]["pool_specs"] = [list(s.spec) + [None] * (4 - len(s.spec))
+                                   for s in pool.caches[0]]
     if name in SAMPLING_MESHES:  # with a phased cache (long rollouts), against 1 phase
       out = sampling.make_engine("jax", cfg, None, cache_phases=3).generate(
           prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
@@ -189,3 +196,11 @@ def test_sharded_greedy_sampling_matches_one_device(measured, mesh):
     np.testing.assert_array_equal(summary[mesh][name], tokens)
     np.testing.assert_allclose(summary[mesh][name + "_logp"], summary["single"]["greedy_logp"],
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_page_pool_is_split_by_page_and_kv_head(measured, mesh):
+  summary, _ = measured
+  # 2 KV heads: split by tensor = 2 (4x2), whole under tensor = 4 (2x4) or 1.
+  kv = "tensor" if mesh == "4x2" else None
+  assert summary[mesh]["pool_specs"] == [["fsdp", kv, None, None]] * 2

@@ -63,15 +63,24 @@ def empty(cfg, params, key, *, slots: int, pages: int, page_size: int, prompt_le
       steps_B=jnp.zeros((B,), jnp.int32), prompt_len_B=jnp.zeros((B,), jnp.int32),
       done_B=jnp.ones((B,), bool))
   if mesh is not None:
-    state = _constrain(state, mesh)
+    state = _constrain(state.replace(caches=()), mesh).replace(
+        caches=_constrain_pool(state.caches, mesh))
   return state, (jnp.zeros((1, vocab), jnp.float32),
                  models.KVCache.zeros(cfg, 1, prompt_len))
 
 
 def _constrain(tree, mesh):
-  """`tree` with every array split over the mesh's batch axes (the pool: by page)."""
+  """`tree` with every array split over the mesh's batch axes."""
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
       x, sharding.batch_sharding(mesh, x.shape)), tree)
+
+
+def _constrain_pool(layers, mesh):
+  """Pool layers split by page over the batch axes and by KV head over `tensor`, as the
+  decode step's queries are by head (split by page alone, every tensor shard would hold
+  all KV heads: 4x the pool per device at tensor = 4)."""
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding.NamedSharding(
+      mesh, sharding.spec(("batch", "kv_heads", None, None), x.shape, mesh))), layers)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("carry",))
@@ -146,7 +155,7 @@ def repage(compiled, caches: list, source_Q, mesh=None) -> None:
 def repage_layer(layer, source_Q, *, mesh=None):
   """One layer's (k, v) pages, in `repage`'s new order."""
   layer = tuple(jnp.take(x, source_Q, axis=0, mode="fill", fill_value=0) for x in layer)
-  return layer if mesh is None else _constrain(layer, mesh)
+  return layer if mesh is None else _constrain_pool(layer, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
