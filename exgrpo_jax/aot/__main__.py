@@ -36,8 +36,8 @@ _DEBUG = flags.DEFINE_bool("debug", False, "Show an error's traceback instead of
 flags.mark_flags_as_required(["config", "target"])
 
 GIB = 2 ** 30
-_HEADER = ("program", "compile s", "peak GiB", "usable", "args", "temp", "TFLOP/dev",
-           "XLA TFLOP", "collectives", "roofline ms", "calls/step")
+_HEADER = ("program", "compile s", "peak GiB", "+ beside", "usable", "args", "temp",
+           "TFLOP/dev", "XLA TFLOP", "collectives", "roofline ms", "calls/step")
 
 
 def table(report: dict) -> str:
@@ -45,13 +45,13 @@ def table(report: dict) -> str:
   rows = [_HEADER]
   for p in report["programs"]:
     if p["error"]:
-      rows.append((p["name"], f"{p['compile_s']:.1f}", "-", "-", "-", "-", "-", "-", "-",
-                   "-", "-"))
+      rows.append((p["name"], f"{p['compile_s']:.1f}") + ("-",) * (len(_HEADER) - 2))
       continue
     collectives = " ".join(f"{k}:{v}" for k, v in sorted(p["collectives"].items())) or "-"
     rows.append((
         p["name"] + ("" if p["fits"] else " (!)"), f"{p['compile_s']:.1f}",
-        f"{p['peak_bytes'] / GIB:.2f}", f"{p['usable_bytes'] / GIB:.2f}",
+        f"{p['peak_bytes'] / GIB:.2f}", f"{p['device_peak_bytes'] / GIB:.2f}",
+        f"{p['usable_bytes'] / GIB:.2f}",
         f"{p['argument_bytes'] / GIB:.2f}", f"{p['temp_bytes'] / GIB:.2f}",
         f"{p['flops_per_device'] / 1e12:.3g}", f"{p['xla_flops'] / 1e12:.3g}", collectives,
         f"{p['roofline_s'] * 1e3:.3g}", f"{p['calls_per_step']:.4g}"))

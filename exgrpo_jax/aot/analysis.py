@@ -1,7 +1,9 @@
 """What one compiled program tells: memory, FLOPs, collectives, and a roofline estimate.
 
 Memory comes from XLA (`compiled.memory_analysis()`, per device): the arguments,
-outputs, temporaries and the peak, set against the target's usable memory. XLA's own
+outputs, temporaries and the peak of the program, plus what the trainer keeps on the
+devices beside it (`resident_bytes`: the learner's state during a rollout, ...), set
+against the target's usable memory. XLA's own
 `cost_analysis()` (per device) counts every loop body once, whatever its trip count:
 the learner's scan over micro-batches and layers, the decode loop. Its figures are
 recorded as they are (`xla_flops`, `xla_bytes`), and the estimates use loop-aware counts:
@@ -42,6 +44,7 @@ class Result:
   output_bytes: int = 0
   temp_bytes: int = 0
   alias_bytes: int = 0
+  resident_bytes: int = 0  # on the devices beside the program (`Program.resident`)
   usable_bytes: int = 0
   xla_flops: float = 0.0
   xla_bytes: float = 0.0
@@ -52,8 +55,13 @@ class Result:
   calls_per_step: float = 0.0
 
   @property
+  def device_peak_bytes(self) -> int:
+    """The program's peak plus what stays on the devices beside it."""
+    return self.peak_bytes + self.resident_bytes
+
+  @property
   def fits(self) -> bool:
-    return not self.error and self.peak_bytes <= self.usable_bytes
+    return not self.error and self.device_peak_bytes <= self.usable_bytes
 
 
 def _subjaxprs(value):

@@ -85,6 +85,7 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   result.output_bytes = memory.output_size_in_bytes
   result.temp_bytes = memory.temp_size_in_bytes
   result.alias_bytes = memory.alias_size_in_bytes
+  result.resident_bytes = analysis.shard_bytes(program.resident(outputs))
   cost = analysis.xla_cost(compiled)
   result.xla_flops = float(cost.get("flops", 0.0))
   result.xla_bytes = float(cost.get("bytes accessed", 0.0))
@@ -97,9 +98,14 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   return result
 
 
+LEARNER = ("learner_step", "score")  # the rest is the rollout's (and evaluation's)
+
+
 def run(config, target_name: str, *, layers: int | None = None,
-        target_config: str | None = None, slices: int = 1, progress=print) -> dict:
-  """Compiles every program of `config`'s training step for `target_name`; the report."""
+        target_config: str | None = None, slices: int = 1, parts=("learner", "rollout"),
+        progress=print) -> dict:
+  """Compiles every program of `config`'s training step for `target_name` (of the
+  learner's and the rollout's `parts`); the report."""
   target = targets.get(target_name)
   devices = targets.devices(target, target_config, slices)
   mesh = sharding.make_mesh(config.mesh, devices)
@@ -111,11 +117,14 @@ def run(config, target_name: str, *, layers: int | None = None,
            f"{targets.usable_bytes(target) / GIB:.2f} GiB per device")
   results, outputs = [], {}
   for program in programs_lib.training_step(config, cfg, mesh):
+    if ("learner" if program.name in LEARNER else "rollout") not in parts:
+      continue
     progress(f"[aot] compiling {program.name}: {program.purpose} ...")
     result = compile_program(program, outputs, mesh, target)
     results.append(result)
     progress("[aot]   " + (result.error or (
-        f"{result.compile_s:.1f} s, peak {result.peak_bytes / GIB:.2f} GiB")))
+        f"{result.compile_s:.1f} s, peak {result.peak_bytes / GIB:.2f} GiB, with what "
+        f"stays beside it {result.device_peak_bytes / GIB:.2f} GiB")))
   return report(config, cfg, target_name, target, mesh, results, slices)
 
 
@@ -123,7 +132,7 @@ def report(config, cfg, target_name, target, mesh, results, slices) -> dict:
   """The JSON report: target, mesh, model, batch, every program, the step estimate."""
   failed = next((r for r in results if not r.fits), None)
   step = {}
-  for label, names in (("rollout", lambda n: not n.startswith(("learner", "score"))),
+  for label, names in (("rollout", lambda n: n not in LEARNER),
                        ("old_logp_recompute", lambda n: n == "score"),
                        ("learner", lambda n: n == "learner_step")):
     step[label + "_s"] = sum(r.calls_per_step * r.roofline_s for r in results
@@ -143,7 +152,8 @@ def report(config, cfg, target_name, target, mesh, results, slices) -> dict:
                  micro_batch_size=config.optim.micro_batch_size,
                  mini_batches=config.optim.mini_batches,
                  max_rows=config.rollout.max_rows),
-      programs=[dataclasses.asdict(r) | dict(fits=r.fits) for r in results],
+      programs=[dataclasses.asdict(r) | dict(device_peak_bytes=r.device_peak_bytes,
+                                             fits=r.fits) for r in results],
       ok=failed is None,
       first_failure=None if failed is None else failure_line(failed),
       step_estimate=step)
@@ -153,8 +163,9 @@ def failure_line(result: analysis.Result) -> str:
   """One line naming the program that does not compile or fit, with peak and limit."""
   if result.error:
     return f"{result.name} did not compile: {result.error}"
-  return (f"{result.name} does not fit: peak {result.peak_bytes / GIB:.2f} GiB per device "
-          f"> usable {result.usable_bytes / GIB:.2f} GiB")
+  return (f"{result.name} does not fit: {result.device_peak_bytes / GIB:.2f} GiB per device "
+          f"(its peak {result.peak_bytes / GIB:.2f} + {result.resident_bytes / GIB:.2f} kept "
+          f"beside it) > usable {result.usable_bytes / GIB:.2f} GiB")
 
 
 def save(report_: dict, path: str) -> None:

@@ -48,6 +48,9 @@ class Program:
   calls: how often a training step calls it (for the step's estimate).
   steps: iterations of its decode loop per call (1: no loop).
   streamed: positional arguments the decode loop reads at every step (weights, cache).
+  resident: given the same outputs, what else is on the devices during the call: the
+    learner's state through a rollout, the rollout's weights and pool between its
+    programs (the memory a call has is the device's less these).
   """
 
   name: str
@@ -58,20 +61,21 @@ class Program:
   calls: float = 1.0
   steps: int = 1
   streamed: tuple = ()
+  resident: Callable[[dict], tuple] = lambda _: ()
 
 
-def _struct(shape, dtype, mesh, split: bool = False):
-  sharding_ = (sharding.batch_sharding(mesh, shape) if split and len(shape)
-               else sharding.replicated(mesh))
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_)
+def _struct(shape, dtype, mesh):
+  """A replicated argument: what the engine's `jax.device_put(..., replicated)` gives."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(mesh))
 
 
 def _key_dtype():
   return jax.random.key(0).dtype
 
 
-def learner_programs(config, cfg, mesh) -> tuple[list[Program], Any]:
-  """The learner's step and the scoring pass; also returns the abstract parameters."""
+def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
+  """The learner's step and the scoring pass; also returns the abstract learner state
+  (parameters, optimizer state)."""
   tx = learner.make_optimizer(config.optim)
   param_shardings = models.param_shardings(cfg, mesh)
   abstract = models.abstract_params(cfg)
@@ -107,8 +111,9 @@ def learner_programs(config, cfg, mesh) -> tuple[list[Program], Any]:
       "score", f"log-probs and entropies of {micro} rows x {T} tokens (old-log-prob "
       "recompute, trajectory selection)", learner.score_program(mesh),
       lambda _: (cfg, params, *score_rows, config.train.logprob_chunk),
-      calls=math.ceil(rows / micro) if _recomputes(config) else 0)
-  return [step, score], params
+      calls=math.ceil(rows / micro) if _recomputes(config) else 0,
+      resident=lambda _: (opt_state,))
+  return [step, score], (params, opt_state)
 
 
 def _recomputes(config) -> bool:
@@ -129,9 +134,10 @@ def rollout_key(engine, sampling_cfg, rows: int, prompt_len: int) -> tuple:
           sampling_cfg.return_entropy)
 
 
-def rollout_programs(engine, cfg, mesh, learner_params, sampling_cfg, rows: int,
+def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
                      prompts: int, prompt_len: int, prefix: str = "") -> list[Program]:
-  """The programs `engine.generate` runs for `rows` rows of `prompts` prompts."""
+  """The programs `engine.generate` runs for `rows` rows of `prompts` prompts, while
+  `learner_state` (parameters, optimizer state) stays on the devices."""
   N = sampling_cfg.max_new_tokens
   L = jax_engine.length_bucket(prompt_len, engine.min_prompt_bucket)
   pcfg = engine._program_cfg  # pylint: disable=protected-access
@@ -142,8 +148,11 @@ def rollout_programs(engine, cfg, mesh, learner_params, sampling_cfg, rows: int,
                  use_top_p=not sampling_cfg.is_greedy and sampling_cfg.top_p < 1.0,
                  return_entropy=sampling_cfg.return_entropy)
   copy = Program("rollout_copy", "the sampler's copy of the parameters",
-                 engine.rollout_copy_program(mesh), lambda _: (learner_params,))
+                 engine.rollout_copy_program(mesh), lambda _: (learner_state[0],),
+                 resident=lambda _: learner_state[1:])
   params = lambda out: out["rollout_copy"]  # evaluation shares the rollout's copy
+  # What stays on the devices beside a rollout program's own arguments.
+  weights = lambda out: (*learner_state, params(out), out[prefix + "prepare_layers"])
   slots = engine._continuous_slots(rows, N)  # pylint: disable=protected-access
   if not slots:
     per_call = min(rows, engine.max_rows or rows)
@@ -157,7 +166,8 @@ def rollout_programs(engine, cfg, mesh, learner_params, sampling_cfg, rows: int,
     return [copy, Program(
         prefix + "generate", f"prefill and decode {B} rows (static loop)", decode.generate,
         lambda out: (pcfg, params(out), *batch, *scalars), dict(options, phases=phases),
-        calls=-(-rows // per_call), steps=N, streamed=(1,))]
+        calls=-(-rows // per_call), steps=N, streamed=(1,),
+        resident=lambda _: learner_state)]
   floor = sharding.batch_shards(mesh)
   table = pages.PageTable(slots, engine.page_size, L, N, continuous._POOL_SIZES, floor)  # pylint: disable=protected-access
   pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
@@ -173,51 +183,57 @@ def rollout_programs(engine, cfg, mesh, learner_params, sampling_cfg, rows: int,
   return [
       copy,
       Program(prefix + "prepare_layers", "per-layer decode weights", slots_lib.prepare_layers,
-              lambda out: (pcfg, params(out))),
+              lambda out: (pcfg, params(out)), resident=lambda _: learner_state),
       Program(prefix + "empty", f"{slots} slots and the page pool at its first size "
               f"({table.pages} pages of {engine.page_size})", slots_lib.empty,
               lambda out: (pcfg, params(out), _struct((), _key_dtype(), mesh)),
               dict(slots=slots, pages=table.pages, page_size=engine.page_size, prompt_len=L,
-                   mesh=mesh)),
+                   mesh=mesh), resident=lambda out: (*learner_state, out[prefix + "prepare_layers"])),
       Program(prefix + "repage_layer", f"one layer of the pool grown from {grows_from} to "
               f"its largest, {pool} pages", slots_lib.repage_layer,
-              lambda out: (tuple(_struct((grows_from,) + x.shape[1:], x.dtype, mesh, True)
+              lambda out: (tuple(jax.ShapeDtypeStruct((grows_from,) + x.shape[1:], x.dtype,
+                                                      sharding=x.sharding)
                                  for x in out[prefix + "empty"][0].caches[0]), i32(pool)),
-              dict(mesh=mesh), calls=0),
+              dict(mesh=mesh), calls=0,
+              # the other layers, each old or already moved: at most the larger size
+              resident=lambda out: (*weights(out), grown(out).caches[1:])),
       Program(prefix + "admit", f"prefill of {P} prompts x {L} tokens into {A} rows",
               slots_lib.admit,
               lambda out: (pcfg, params(out), out[prefix + "empty"][1],
                            _struct((P, L), jnp.int32, mesh), _struct((P, L), bool, mesh),
                            i32(A), i32()),
-              calls=-(-prompts // continuous._MAX_PROMPTS)),  # pylint: disable=protected-access
+              calls=-(-prompts // continuous._MAX_PROMPTS),  # pylint: disable=protected-access
+              resident=lambda out: (*learner_state, out[prefix + "prepare_layers"],
+                                    grown(out))),
       Program(prefix + "place", f"{A} admitted rows into slots and pages", slots_lib.place,
               lambda out: (grown(out), out[prefix + "admit"][0], i32(A),
                            i32(A, -(-L // engine.page_size)), _struct((A,), _key_dtype(), mesh)),
-              calls=-(-rows // A)),
+              calls=-(-rows // A), resident=weights),
       Program(prefix + "select", f"the live half of {slots} slots", slots_lib.select,
               lambda out: (grown(out).replace(caches=()), i32(slots // 2)), dict(mesh=mesh),
-              calls=0),
+              calls=0, resident=lambda out: (*weights(out), grown(out).caches)),
       Program(prefix + "decode_chunk", f"{steps} decode steps of {slots} slots over the "
               f"{pool}-page pool", slots_lib.decode_chunk,
               lambda out: (pcfg, params(out), out[prefix + "prepare_layers"], grown(out),
                            i32(), i32(slots, per_row), i32(pool), i32(pool), *scalars),
               options | dict(steps=steps), calls=rows * N / slots / steps, steps=steps,
-              streamed=(2, 3)),
+              streamed=(2, 3), resident=lambda _: learner_state),
       Program(prefix + "release", "slots freed by stop strings", slots_lib.release,
-              lambda out: (grown(out), _struct((slots,), bool, mesh)), calls=0),
+              lambda out: (grown(out), _struct((slots,), bool, mesh)), calls=0,
+              resident=weights),
   ]
 
 
 def training_step(config, cfg, mesh) -> list[Program]:
   """Every program of one training step of `config` for model `cfg` on `mesh`."""
-  programs, params = learner_programs(config, cfg, mesh)
+  programs, learner_state = learner_programs(config, cfg, mesh)
   engine = sampling.make_engine("jax", cfg, None, max_rows=config.rollout.max_rows or None,
                                 scheduler=config.rollout.scheduler)
   rows = config.train.batch_questions * config.rollout.k
   train_sampling = sampling.SamplingConfig(
       temperature=config.rollout.temperature, top_p=config.rollout.top_p,
       top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
-  rollout = rollout_programs(engine, cfg, mesh, params, train_sampling, rows,
+  rollout = rollout_programs(engine, cfg, mesh, learner_state, train_sampling, rows,
                              config.train.batch_questions, config.data.max_prompt_tokens)
   programs += rollout
   if config.eval.every or config.eval.before_train:
@@ -229,7 +245,7 @@ def training_step(config, cfg, mesh) -> list[Program]:
     prompt_len = config.data.max_prompt_tokens
     if (rollout_key(engine, eval_sampling, eval_rows, prompt_len)
         != rollout_key(engine, train_sampling, rows, prompt_len)):
-      evaluation = rollout_programs(engine, cfg, mesh, params, eval_sampling, eval_rows,
+      evaluation = rollout_programs(engine, cfg, mesh, learner_state, eval_sampling, eval_rows,
                                     max(eval_rows // config.eval.n, 1), prompt_len,
                                     prefix="eval_")
       programs += [dataclasses.replace(p, calls=0) for p in evaluation[1:]]

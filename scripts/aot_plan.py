@@ -1,0 +1,184 @@
+r"""Chooses a paper config's mesh, micro-batch and rollout rows for a target from the
+compiler's figures, and writes the report of the chosen settings (JSON).
+
+  .aot/gpu/bin/python scripts/aot_plan.py --config=configs/qwen7b.py --target=h100x8 \
+      --out=docs/results/aot_qwen7b_h100x8.json
+  python scripts/aot_plan.py --render docs/results/aot_*.json     # BUILD.md's table
+
+For each mesh fsdp x tensor over the target's devices (tensor 1, 2, 4, and 8 where the
+query heads divide), all layers compiled (`exgrpo_jax.aot`):
+  learner   the config's micro-batch, halved until the learner's programs fit;
+  rollout   the most rows per call (`rollout.max_rows`, multiples of 64 up to the step's
+            B x K rows) whose programs fit: each program's per-device peak (with what
+            stays beside it) is affine in the slots, so two compiles (64 and 256 slots)
+            predict the largest, which is then compiled, stepped down by 64 until it
+            fits, and shown to be the largest by the next 64 not fitting.
+The chosen mesh keeps the config's micro-batch where any can, then has the most rows
+per call, then the least tensor parallelism (the old analytic plan's rule). Its whole
+training step is compiled once more with those settings: that report is the output,
+with every candidate's figures under "search". GPU targets read
+XLA_PYTHON_CLIENT_MEM_FRACTION (BUILD.md runs them at 0.95).
+"""
+
+import argparse
+import glob
+import importlib
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+GIB = 2 ** 30
+STEP = 64
+
+
+def _config(name: str, tensor: int, devices: int, micro: int, max_rows: int):
+  config = importlib.import_module(f"configs.{name}").get_config()
+  with config.unlocked():
+    config.mesh.shape = (devices // tensor, tensor)
+    config.optim.micro_batch_size = micro
+    config.rollout.max_rows = max_rows
+  return config
+
+
+def _peaks(report: dict) -> dict:
+  """Each program's device peak (GiB), or None where it failed to compile."""
+  return {p["name"]: (None if p["error"] else p["device_peak_bytes"] / GIB)
+          for p in report["programs"]}
+
+
+class Planner:
+  """Runs the compiles of one config on one target and keeps what each one said."""
+
+  def __init__(self, name: str, target: str):
+    from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+    self.check, self.name, self.target = check, name, target
+    self.spec = targets.get(target)
+    self.usable = targets.usable_bytes(self.spec) / GIB
+    self.search = []
+
+  def compile(self, tensor, micro, max_rows, parts) -> dict:
+    config = _config(self.name, tensor, self.spec.devices, micro, max_rows)
+    print(f"[plan] {self.name} {self.target} tensor={tensor} micro={micro} "
+          f"max_rows={max_rows} {'+'.join(parts)}", file=sys.stderr, flush=True)
+    report = self.check.run(config, self.target, parts=parts, progress=lambda _: None)
+    self.search.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows,
+                            parts=list(parts), ok=report["ok"],
+                            first_failure=report["first_failure"],
+                            device_peak_gib=_peaks(report)))
+    return report
+
+  def learner(self, tensor: int, micro: int) -> int:
+    """The largest micro-batch (halving from `micro`) whose learner programs fit; 0: none."""
+    while micro >= 1:
+      if self.compile(tensor, micro, STEP, ("learner",))["ok"]:
+        return micro
+      micro //= 2
+    return 0
+
+  def rollout(self, tensor: int, rows: int) -> int:
+    """The most rows per call (a multiple of STEP, at most `rows`) that fit; 0: none."""
+    fits = lambda n: self.compile(tensor, 1, n, ("rollout",))["ok"]
+    low, high = (_peaks(self.compile(tensor, 1, n, ("rollout",))) for n in (STEP, 4 * STEP))
+    if any(v is None for v in low.values()):
+      return 0
+    guess = rows
+    for name, peak in low.items():
+      slope = ((high.get(name) or peak) - peak) / (3 * STEP)
+      if slope > 0:
+        guess = min(guess, STEP + int((self.usable - peak) / slope))
+    guess = max(STEP, min(rows, guess // STEP * STEP))
+    while guess > STEP and not fits(guess):
+      guess -= STEP
+    if guess == STEP and not fits(STEP):
+      return 0
+    while guess + STEP <= rows and fits(guess + STEP):  # the estimate was low
+      guess += STEP
+    return guess
+
+
+def plan(name: str, target: str) -> dict:
+  planner = Planner(name, target)
+  base = importlib.import_module(f"configs.{name}").get_config()
+  rows = base.train.batch_questions * base.rollout.k
+  heads = planner.check.model_config(base).num_heads
+  candidates = []
+  for tensor in (1, 2, 4, 8):
+    if planner.spec.devices % tensor or (tensor == 8 and heads % 8):
+      continue
+    micro = planner.learner(tensor, base.optim.micro_batch_size)
+    max_rows = planner.rollout(tensor, rows) if micro else 0
+    candidates.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows))
+  fitting = [c for c in candidates if c["micro_batch_size"] and c["max_rows"]]
+  result = dict(config=f"configs/{name}.py", target=target, usable_gib=planner.usable,
+                candidates=candidates, search=planner.search)
+  if not fitting:
+    failure = next((s["first_failure"] for s in reversed(planner.search)
+                    if s["first_failure"]), "nothing fits")
+    return dict(result, fits=False, verdict=f"{name} does not fit {target}: {failure}")
+  best = max(fitting, key=lambda c: (c["micro_batch_size"] >= base.optim.micro_batch_size,
+                                     c["micro_batch_size"], c["max_rows"], -c["tensor"]))
+  final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
+                          ("learner", "rollout"))
+  flags = (f"--config.mesh.shape='({planner.spec.devices // best['tensor']}, "
+           f"{best['tensor']})' --config.rollout.max_rows={best['max_rows']}")
+  if best["micro_batch_size"] != base.optim.micro_batch_size:
+    flags += f" --config.optim.micro_batch_size={best['micro_batch_size']}"
+  return dict(result, fits=final["ok"], chosen=dict(best, flags=flags), report=final,
+              verdict=final["first_failure"] or f"fits: {flags}")
+
+
+def render(paths) -> str:
+  """BUILD.md's table: per config and target, the chosen settings and the compiler's
+  per-device peaks (GiB) of the learner step and the largest rollout program."""
+  lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | learner peak "
+           "| rollout peak (program) | usable | est. step s (rollout + learner) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for path in sorted(paths):
+    with open(path, encoding="utf-8") as f:
+      p = json.load(f)
+    name = p["config"].removeprefix("configs/").removesuffix(".py")
+    if not p["fits"] or "report" not in p:
+      lines.append(f"| {name} | {p['target']} | {p['verdict']} |||||||")
+      continue
+    programs = {q["name"]: q for q in p["report"]["programs"]}
+    rollout = max((q for q in programs.values() if q["name"] not in ("learner_step", "score")),
+                  key=lambda q: q["device_peak_bytes"])
+    c, est = p["chosen"], p["report"]["step_estimate"]
+    lines.append(
+        f"| {name} | {p['target']} | {p['report']['mesh'].get('fsdp', 1)} x "
+        f"{p['report']['mesh'].get('tensor', 1)} | {c['micro_batch_size']} | {c['max_rows']} "
+        f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
+        f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
+        f"| {p['usable_gib']:.2f} | {est['rollout_s'] + est['old_logp_recompute_s']:.0f} + "
+        f"{est['learner_s']:.0f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", help="configs/NAME.py")
+  parser.add_argument("--target", choices=list(targets.TARGETS))
+  parser.add_argument("--out")
+  parser.add_argument("--render", nargs="+", help="render these plan JSON files")
+  args = parser.parse_args(argv)
+  if args.render:
+    print(render([p for pattern in args.render for p in glob.glob(pattern)]))
+    return
+  if not (args.config and args.target and args.out):
+    parser.error("give --config, --target and --out (or --render FILES)")
+  targets.prepare_environment()
+  name = os.path.basename(args.config).removesuffix(".py")
+  result = plan(name, args.target)
+  with open(args.out, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1)
+    f.write("\n")
+  print(result["verdict"])
+
+
+if __name__ == "__main__":
+  main()
