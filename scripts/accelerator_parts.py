@@ -28,10 +28,10 @@ from exgrpo_jax import cli
 from exgrpo_jax import models
 from exgrpo_jax import registry
 from exgrpo_jax import sampling
+from exgrpo_jax.models import published
 from exgrpo_jax.training import actor as actor_lib
 from exgrpo_jax.training import trainer as trainer_lib
 from scripts import bench_sampler
-from scripts import memory_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = registry.Registry("accelerator check part")
@@ -120,7 +120,7 @@ def _subject(name: str, workdir: str) -> Subject:
     policy = models.from_pretrained()
     return Subject("SmolLM2-135M-Instruct", policy.config, policy.params, tokenizer,
                    models.resolve_hf_dir(models.default_model_path()))
-  _, hf = memory_plan.HF_CONFIGS["Qwen2.5-Math-1.5B"]
+  hf = published.HF_CONFIGS["Qwen2.5-Math-1.5B"]
   cfg = models.from_hf_config(dict(hf, max_position_embeddings=16384),
                               pad_token_id=tokenizer.pad_token_id)
   return Subject("Qwen2.5-1.5B shape (random)", cfg,

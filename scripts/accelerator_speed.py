@@ -127,9 +127,8 @@ def _learner_case(config, cfg, S: int, M: int, steps: int) -> dict:
   params = models.init_params(cfg, jax.random.key(0))
   opt_state = learner.make_optimizer(config.optim).init(params)
   batch = _train_batch(S, M, cfg.vocab_size, np.random.default_rng(0))
-  flat, treedef = jax.tree.flatten(sharding.shardings_of((params, opt_state)))
   start = time.perf_counter()
-  compiled = learner._compiled_step(treedef, tuple(flat)).lower(  # pylint: disable=protected-access
+  compiled = learner.step_program(params, opt_state).lower(
       params, opt_state, batch, cfg=cfg, algo=learner.frozen(config.algo),
       optim=learner.frozen(config.optim), use_clip=True,
       chunk=config.train.logprob_chunk).compile()

@@ -28,15 +28,14 @@ sys.path.insert(0, REPO)
 
 from configs import qwen7b  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
-from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top,wrong-import-position
-from scripts import memory_plan  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.models import published  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
 
 
 def model_config(config, layers: int, attention: str) -> models.ModelConfig:
-  _, hf = memory_plan.HF_CONFIGS["Qwen2.5-Math-7B"]
+  hf = published.HF_CONFIGS["Qwen2.5-Math-7B-16k-think"]
   return models.from_hf_config(dict(hf, num_hidden_layers=layers), dtype=config.model.dtype,
                                param_dtype=config.model.param_dtype,
                                remat=config.model.remat, attention=attention)
@@ -75,8 +74,7 @@ def analyse(config, cfg, S: int) -> dict:
   kw = dict(cfg=cfg, algo=learner.frozen(config.algo), use_clip=True,
             chunk=config.train.logprob_chunk)
   # The jitted program `learner.train_step` dispatches to for arrays with these shardings.
-  flat, treedef = jax.tree.flatten(sharding.shardings_of((params, opt_state)))
-  step = learner._compiled_step(treedef, tuple(flat))  # pylint: disable=protected-access
+  step = learner.step_program(params, opt_state)
   step_memory = _memory(step.lower(params, opt_state, batch,
                                    optim=learner.frozen(config.optim), **kw))
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
