@@ -8,7 +8,7 @@ checked (the reference's `response.split("</think>")[1]`).
 
 Nothing from model output is evaluated as Python: Math-Verify parses LaTeX with its own
 grammar and hands sympy only digit/operator strings; the other rewards use regexes, and
-`reasoning_gym` calls that package's own verifiers (exgrpo_jax/data/rgym.py).
+`reasoning_gym` calls that package's own verifiers (`gym.py`).
 Math-Verify's own signal-based timeouts are switched off because `pool.py` enforces a
 per-item deadline itself (both use SIGALRM, and Math-Verify would cancel ours).
 """
@@ -23,6 +23,7 @@ from typing import Sequence
 import math_verify
 
 from exgrpo_jax import registry
+from exgrpo_jax.rewards import gym
 
 REWARDS = registry.Registry("reward")
 
@@ -195,5 +196,4 @@ def gsm8k_reward(solution: str, ground_truth: str) -> float | None:
 @REWARDS.register("reasoning_gym")
 def reasoning_gym_reward(solution: str, ground_truth: str) -> float | None:
   """A reasoning_gym dataset's own verifier (ground truth: JSON naming the entry)."""
-  from exgrpo_jax.data import rgym  # pylint: disable=import-outside-toplevel
-  return rgym.score(solution, ground_truth)
+  return gym.score(solution, ground_truth)
