@@ -60,6 +60,19 @@ def load_plugins(modules: str | Sequence[str]) -> tuple[str, ...]:
   return names
 
 
+def plugin_modules() -> tuple[str, ...]:
+  """The modules, outside this package, that define the rewards registered so far.
+
+  Reward workers import them first, so a reward registered in the main process (through
+  `load_plugins` or by importing its module) is known in theirs. A script run as
+  `__main__` is left out: `spawn` re-runs it in every worker, registering its rewards.
+  """
+  modules = (getattr(REWARDS.get(name), "__module__", None) for name in REWARDS.names())
+  return tuple(dict.fromkeys(
+      m for m in modules
+      if m and m not in ("__main__", "__mp_main__") and not m.startswith("exgrpo_jax.")))
+
+
 def reward_for_source(data_source: str, override: str = "") -> str:
   """The reward name for a data_source (`override`, when given, wins)."""
   name = override or SOURCE_REWARDS.get(data_source, "math_verify")
