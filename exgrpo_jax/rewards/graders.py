@@ -29,7 +29,8 @@ REWARDS = registry.Registry("reward")
 
 # data_source -> reward; anything not listed is graded by Math-Verify.
 SOURCE_REWARDS = {"arc_c": "multiple_choice", "gpqa": "multiple_choice",
-                  "gpqa_diamond": "multiple_choice", "gsm8k": "gsm8k"}
+                  "gpqa_diamond": "multiple_choice", "mmlu_pro": "multiple_choice",
+                  "gsm8k": "gsm8k"}
 
 # Per-item outcome codes (see `grade` and `pool.RewardPool`).
 OK, FORMAT, NO_ANSWER, TIMEOUT, EXCEPTION, CRASH = (
