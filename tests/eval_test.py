@@ -208,6 +208,13 @@ def test_default_token_budget_is_the_tasks(tiny_dir, tmp_path, capsys):
   results = json.loads(out.read_text())
   assert results["config"]["max_new_tokens"] == eval_cli.ARITHMETIC_MAX_NEW_TOKENS == 48
   assert "[eval] up to 48 new tokens: the task's budget" in capsys.readouterr().err
+  # The budgets are the configs' for the same data: the CPU run's and the paper runs'.
+  import importlib  # pylint: disable=g-import-not-at-top
+  configs = {name: importlib.import_module(f"configs.{name}").get_config()
+             for name in ("smollm2_135m", "qwen7b")}
+  assert configs["smollm2_135m"].data.source == "arithmetic"
+  assert eval_cli.ARITHMETIC_MAX_NEW_TOKENS == configs["smollm2_135m"].eval.max_new_tokens
+  assert eval_cli.FILE_MAX_NEW_TOKENS == configs["qwen7b"].eval.max_new_tokens
 
 
 def test_default_token_budget_fits_the_context_after_the_longest_prompt(
