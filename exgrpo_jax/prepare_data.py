@@ -13,15 +13,27 @@ columns: `data_source`, `prompt` (chat messages), `ability`, `reward_model` {`gr
 `style`}, `extra_info` {`index`, `split`}, plus the source's scalar fields (MATH's
 `level` and `type`, GSM8K's `solution`); the R1 traces of OpenR1-Math are not kept (only
 questions and ground truths are used, as in the reference).
+
+The paper's out-of-distribution benchmarks are ARC-c, GPQA-Diamond and MMLU-Pro. ARC-c
+and GPQA-Diamond are the reference repository's files. MMLU-Pro (`ood_mmlu_pro`) is the
+hub's TIGER-Lab/MMLU-Pro test split (12,032 questions, up to ten options A-J) written as
+the reference's OOD files are: the ExGRPO system prompt, then the question, a blank line
+and one "X) option" line per option; the ground truth is the letter, graded by the
+`multiple_choice` reward (the reference's eval drops the system prompt and grades the
+letter in the last \boxed{}, which that reward reads first). `exgrpo_test_ood` is
+ExGRPO's own OOD test file (ExGRPO/data/test.ood.parquet), taken as it is. A source that
+cannot be reached is one line naming its URL.
 """
 
 import argparse
+import collections
 import dataclasses
 import os
 import shutil
 import sys
 import tempfile
 import urllib.request
+from typing import Callable
 
 import pandas as pd
 
@@ -41,6 +53,40 @@ class Recipe:
   split: str        # extra_info.split for rows that have no extra_info
   about: str
   data_source: str = ""
+  # The downloaded table -> one the readers take (for sources with their own columns).
+  convert: Callable[[pd.DataFrame], pd.DataFrame] | None = None
+
+
+OPTION_LETTERS = "ABCDEFGHIJ"
+
+
+def mmlu_pro_frame(frame: pd.DataFrame) -> pd.DataFrame:
+  """TIGER-Lab/MMLU-Pro rows (question, options, answer, answer_index, category, src,
+  question_id) as verl rows in the format of the reference's OOD files (module docstring).
+  """
+  missing = [c for c in ("question", "options", "answer", "answer_index") if c not in frame]
+  if missing:
+    raise data.DataError(f"MMLU-Pro table: missing column {missing[0]!r} (columns: "
+                         f"{', '.join(map(str, frame.columns))})")
+  rows = []
+  for i, row in enumerate(frame.to_dict("records")):
+    options, answer = list(() if row["options"] is None else row["options"]), row["answer"]
+    letters = list(OPTION_LETTERS[:len(options)])
+    if not options or len(options) > len(OPTION_LETTERS) or answer not in letters or (
+        letters.index(answer) != row["answer_index"]):
+      raise data.DataError(f"MMLU-Pro row {i} (question_id {row.get('question_id')}): answer "
+                           f"{answer!r} / answer_index {row['answer_index']} do not name "
+                           f"one of its {len(options)} options")
+    user = f"{row['question']}\n\n" + "".join(
+        f"{letter}) {option}\n" for letter, option in zip(letters, options))
+    rows.append(dict(
+        data_source="mmlu_pro",
+        prompt=[{"role": "system", "content": data.EXGRPO_SYSTEM_PROMPT},
+                {"role": "user", "content": user}],
+        ability="mmlu_pro", reward_model={"ground_truth": answer, "style": "rule"},
+        extra_info={"index": i, "split": "test"},
+        **{k: row[k] for k in ("category", "src", "question_id") if k in row}))
+  return pd.DataFrame(rows)
 
 
 RECIPES = {
@@ -55,6 +101,12 @@ RECIPES = {
                         "ARC-Challenge (out of distribution)"),
     "ood_gpqa_diamond": Recipe(f"{_LUFFY}/data/valid.gpqa.parquet", "default",
                                "GPQA-Diamond (out of distribution)"),
+    "ood_mmlu_pro": Recipe("hf:TIGER-Lab/MMLU-Pro@test", "test",
+                           "MMLU-Pro (out of distribution), in the format of the other OOD "
+                           "files", convert=mmlu_pro_frame),
+    "exgrpo_test_ood": Recipe(f"{_LUFFY}/ExGRPO/data/test.ood.parquet", "default",
+                              "ExGRPO's out-of-distribution test set (ARC-c, GPQA-Diamond, "
+                              "MMLU-Pro)"),
     "gsm8k_train": Recipe("hf:openai/gsm8k/main@train", "train", "GSM8K train", "gsm8k"),
     "gsm8k_test": Recipe("hf:openai/gsm8k/main@test", "test", "GSM8K test", "gsm8k"),
     "math_train": Recipe("hf:DigitalLearningGmbH/MATH-lighteval@train", "train",
@@ -64,12 +116,23 @@ RECIPES = {
 }
 
 
-def download(source: str, path: str) -> None:
-  """Writes the rows of `source` (a hub split or a URL) to the file `path` (network)."""
+def source_url(source: str) -> str:
+  """The URL a recipe's rows come from (a hub dataset's page)."""
   if source.startswith(readers.HUB_PREFIX):
-    readers.load_hub(source).to_parquet(path)
-  else:
-    urllib.request.urlretrieve(source, path)
+    return f"https://huggingface.co/datasets/{readers.parse_hub_name(source)[0]}"
+  return source
+
+
+def download(source: str, path: str) -> None:
+  """Writes the rows of `source` (a hub split or a URL) to the file `path` (network); an
+  OSError naming the URL when it cannot."""
+  try:
+    if source.startswith(readers.HUB_PREFIX):
+      readers.load_hub(source).to_parquet(path)
+    else:
+      urllib.request.urlretrieve(source, path)
+  except (OSError, ValueError) as e:  # unreachable, not found, no `datasets`
+    raise OSError(f"cannot download {source_url(source)}: {cli.one_line(e)}") from None
 
 
 def verl_frame(questions, split: str) -> pd.DataFrame:
@@ -91,6 +154,8 @@ def prepare(name: str, out_dir: str, scratch: str) -> str:
   recipe = RECIPES[name]
   raw = os.path.join(scratch, f"{name}.parquet")
   download(recipe.source, raw)
+  if recipe.convert:
+    recipe.convert(pd.read_parquet(raw)).to_parquet(raw)
   loaded = data.load_questions(raw, skip_bad_rows=True)
   questions = loaded.questions
   if recipe.data_source:
@@ -100,8 +165,11 @@ def prepare(name: str, out_dir: str, scratch: str) -> str:
   target = os.path.join(out_dir, f"{name}.parquet")
   verl_frame(questions, recipe.split).to_parquet(raw + ".verl")
   os.replace(raw + ".verl", target)
+  sources = collections.Counter((q.data_source, q.reward_name) for q in questions)
   return (f"{target}: {len(questions)} questions from {recipe.source} "
-          f"({len(loaded.skipped)} unusable rows skipped)")
+          f"({len(loaded.skipped)} unusable rows skipped; " + ", ".join(
+              f"{source} {n} graded by {reward}" for (source, reward), n in sources.items())
+          + ")")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """Evaluation metrics against hand computations, the driver's grading plumbing (with a
 scripted engine), and the real CLI end to end (slow)."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -16,6 +17,7 @@ from exgrpo_jax import rewards
 from exgrpo_jax.evaluation import metrics
 from exgrpo_jax.evaluation import runner
 from exgrpo_jax.rewards import graders
+from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
 
 def _pass_at_k_by_enumeration(n, c, k):
@@ -196,3 +198,49 @@ def test_load_model_reads_training_checkpoints(tmp_path, smollm2_hf_dir):
   assert loaded_cfg == cfg
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
   assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_default_token_budget_is_the_tasks(tiny_dir, tmp_path, capsys):
+  from exgrpo_jax import eval as eval_cli  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "r.json"
+  assert eval_cli.main(["--model", tiny_dir, "--data", "arithmetic", "--limit", "2",
+                        "--reward-workers", "0", "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  assert results["config"]["max_new_tokens"] == eval_cli.ARITHMETIC_MAX_NEW_TOKENS == 48
+  assert "[eval] up to 48 new tokens: the task's budget" in capsys.readouterr().err
+  # The budgets are the configs' for the same data: the CPU run's and the paper runs'.
+  import importlib  # pylint: disable=g-import-not-at-top
+  configs = {name: importlib.import_module(f"configs.{name}").get_config()
+             for name in ("smollm2_135m", "qwen7b")}
+  assert configs["smollm2_135m"].data.source == "arithmetic"
+  assert eval_cli.ARITHMETIC_MAX_NEW_TOKENS == configs["smollm2_135m"].eval.max_new_tokens
+  assert eval_cli.FILE_MAX_NEW_TOKENS == configs["qwen7b"].eval.max_new_tokens
+
+
+def test_default_token_budget_fits_the_context_after_the_longest_prompt(
+    text_model, tmp_path, capsys):
+  from exgrpo_jax import eval as eval_cli  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.models import export  # pylint: disable=g-import-not-at-top
+  cfg, params, tokenizer = text_model
+  questions = eval_cli.select(data.arithmetic.make_questions(
+      data.arithmetic.ArithmeticSettings(), "eval"), 2, "")
+  prompts, _ = data.render_prompts(questions, tokenizer, "chat", remove_system=True)
+  longest = max(len(p.ids) for p in prompts)
+  small = str(tmp_path / "small")  # room for 10 new tokens after the longest prompt
+  export.save_pretrained(dataclasses.replace(cfg, max_position_embeddings=longest + 10),
+                         params, small)
+  tokenizer.save_pretrained(small)
+  out = tmp_path / "r.json"
+  argv = ["--model", small, "--data", "arithmetic", "--limit", "2", "--reward-workers", "0",
+          "--save-responses", "--out", str(out)]
+  assert eval_cli.main(argv) == 0
+  results = json.loads(out.read_text())
+  assert results["config"]["max_new_tokens"] == 10
+  assert (f"[eval] up to 10 new tokens: the task's 48 cut to the model's {longest + 10} "
+          f"positions less the longest prompt ({longest} tokens)") in capsys.readouterr().err
+  assert results["dropped_prompts"] == 0 and len(results["responses"]) == 4
+  # A budget given on the command line that leaves no room is one line.
+  assert eval_cli.main(argv[:-2] + ["--max-new-tokens", str(longest + 10)]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1] == (f"error: --max-new-tokens {longest + 10} leaves no room for a prompt "
+                     f"in the model's {longest + 10} positions"), err

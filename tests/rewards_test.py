@@ -195,6 +195,20 @@ def test_crash_and_exception_score_zero_and_are_counted():
     assert pool.score(items[2:] * 4)[0].tolist() == [1.0] * 4
 
 
+def test_exceptions_come_back_with_their_text_and_are_logged_once(caplog):
+  items = [rewards.RewardItem(f"x{i}", "1", "test_raise") for i in range(3)]
+  with rewards.RewardPool(num_workers=1, plugin_modules=["tests.reward_plugins"]) as pool:
+    scores = pool.grade(items)
+    pool.grade(items)
+  assert scores.status_N.tolist() == [graders.EXCEPTION] * 3
+  assert scores.error_N.tolist() == [f"ValueError: cannot grade 'x{i}' against '1'"
+                                     for i in range(3)]
+  assert scores.stats["exceptions"] == 3
+  assert [r.getMessage() for r in caplog.records] == [
+      "reward 'test_raise' raised ValueError: cannot grade 'x0' against '1' (scored 0; "
+      "further ones are only counted, in reward/exceptions)"]
+
+
 def test_in_process_mode_still_times_out():
   with rewards.RewardPool(num_workers=0, timeout_s=1.0) as pool:
     rewards_N, status_N, stats = pool.score_with_status(

@@ -12,6 +12,7 @@ import pytest
 from exgrpo_jax import rewards
 from exgrpo_jax.data import rgym
 from exgrpo_jax.data import sources
+from exgrpo_jax.rewards import gym
 from exgrpo_jax.training import config_check
 
 needs_gym = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
@@ -100,7 +101,7 @@ def test_bad_settings_are_one_config_line(settings, message):
 
 def test_missing_package_names_the_install_command(monkeypatch):
   monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails as if absent
-  rgym._dataset.cache_clear()  # pylint: disable=protected-access
+  gym.dataset.cache_clear()
   with pytest.raises(config_check.ConfigError) as e:
     config_check.check(_config(dataset="chain_sum"))
   assert "reasoning_gym is not installed: pip install 'exgrpo_jax[reasoning_gym]'" in str(

@@ -11,22 +11,19 @@ accuracy measures questions never trained on. Both splits are pure functions of 
 settings (uid = index within the split).
 
 Rewards are graded in worker processes from text alone, so a question's `ground_truth`
-is JSON naming its entry (the answer first, for logs; then dataset, options, seed, size,
-index). The `reasoning_gym` reward regenerates that entry (cached per worker) and returns
-the dataset's own `score_answer(answer, entry)` (some datasets give partial credit in
-[0, 1]) for the last <answer>...</answer> of the response, the format `instruction` asks
-for; a response without one has no answer.
+is JSON naming its entry, which the `reasoning_gym` reward (`exgrpo_jax.rewards.gym`)
+regenerates and scores with the dataset's own verifier, on the last <answer>...</answer>
+of the response: the format `instruction` asks for.
 """
 
 import dataclasses
-import functools
 import json
 
 from exgrpo_jax.data import questions as questions_lib
+from exgrpo_jax.rewards import gym
 
 SPLITS = ("train", "eval")
 REWARD = "reasoning_gym"
-INSTALL = "pip install 'exgrpo_jax[reasoning_gym]' (or pip install reasoning-gym)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,34 +48,6 @@ class GymSettings:
                       "format <answer>answer here</answer>.")
 
 
-def _gym():
-  try:
-    import reasoning_gym  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise ValueError(f"reasoning_gym is not installed: {INSTALL}") from None
-  return reasoning_gym
-
-
-@functools.lru_cache(maxsize=16)
-def _dataset(name: str, options: str, seed: int, size: int):
-  """One dataset instance (cached: workers score many entries of the same one)."""
-  gym = _gym()
-  if name not in gym.factory.DATASETS:
-    raise ValueError(f"reasoning_gym dataset {name!r} is unknown; known: "
-                     f"{', '.join(sorted(gym.factory.DATASETS))}")
-  try:
-    kwargs = json.loads(options)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"reasoning_gym options {options!r}: not JSON ({e})") from None
-  if not isinstance(kwargs, dict):
-    raise ValueError(f"reasoning_gym options {options!r}: must be a JSON object")
-  try:
-    return gym.create_dataset(name, **kwargs, seed=seed, size=size)
-  except (TypeError, ValueError, AssertionError) as e:
-    raise ValueError(f"reasoning_gym dataset {name!r} with options {options}: "
-                     f"{str(e) or type(e).__name__}") from None
-
-
 def make_questions(settings: GymSettings, split: str,
                    limit: int = 0) -> list[questions_lib.Question]:
   """The questions of one split ("train" or "eval"); `limit` keeps the first N."""
@@ -89,7 +58,7 @@ def make_questions(settings: GymSettings, split: str,
                      f"{settings.eval_size}: both must be positive")
   # Room for repeats of held-out questions, which the train split skips.
   size = 2 * (settings.train_size + settings.eval_size)
-  dataset = _dataset(settings.dataset, settings.options, settings.seed, size)
+  dataset = gym.dataset(settings.dataset, settings.options, settings.seed, size)
   wanted = settings.train_size if split == "train" else settings.eval_size
   wanted = min(limit, wanted) if limit else wanted
   entries = [(i, dataset[i]) for i in range(settings.eval_size if split == "train" else wanted)]
@@ -108,26 +77,9 @@ def make_questions(settings: GymSettings, split: str,
   options = json.loads(settings.options)
   questions = []
   for uid, (index, entry) in enumerate(entries):
-    truth = json.dumps(dict(answer=str(entry["answer"]), dataset=settings.dataset,
-                            options=options, seed=settings.seed, size=size, index=index))
+    truth = gym.ground_truth(str(entry["answer"]), settings.dataset, options, settings.seed,
+                             size, index)
     questions.append(questions_lib.Question(
         uid, ({"role": "user", "content": f"{entry['question']}\n\n{settings.instruction}"},),
         truth, f"reasoning_gym:{settings.dataset}", REWARD, {"split": split, "index": index}))
   return questions
-
-
-def score(solution: str, ground_truth: str) -> float | None:
-  """The dataset's own score of the last <answer> in `solution`; None without one."""
-  answer = _gym().utils.extract_answer(solution)
-  if answer is None:
-    return None
-  dataset, entry = _reference(ground_truth)
-  return float(dataset.score_answer(answer, entry))
-
-
-@functools.lru_cache(maxsize=4096)
-def _reference(ground_truth: str):
-  """(dataset, entry) named by a ground truth (cached: K responses share one)."""
-  ref = json.loads(ground_truth)
-  dataset = _dataset(ref["dataset"], json.dumps(ref["options"]), ref["seed"], ref["size"])
-  return dataset, dataset[ref["index"]]

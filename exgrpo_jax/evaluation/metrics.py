@@ -39,7 +39,8 @@ def summarize(group_G: np.ndarray, correct_G: np.ndarray, length_G: np.ndarray,
     correct_G: reward > 0 of each sample.
     length_G: response length in tokens.
     truncated_G: whether the response hit the token limit.
-    status_G: grading status (`graders.STATUSES`); the fraction of each is reported.
+    status_G: grading status (`graders.STATUSES`); the fraction of each is reported, and
+      the number of exceptions.
   """
   _, group_G = np.unique(group_G, return_inverse=True)
   samples_Q = np.bincount(group_G)
@@ -58,5 +59,6 @@ def summarize(group_G: np.ndarray, correct_G: np.ndarray, length_G: np.ndarray,
   }
   for status in graders.STATUSES:
     out[f"{status}_frac"] = float(np.mean(status_G == status))
+  out["exceptions"] = int(np.sum(status_G == graders.EXCEPTION))
   return out
 

@@ -8,7 +8,7 @@ checked (the reference's `response.split("</think>")[1]`).
 
 Nothing from model output is evaluated as Python: Math-Verify parses LaTeX with its own
 grammar and hands sympy only digit/operator strings; the other rewards use regexes, and
-`reasoning_gym` calls that package's own verifiers (exgrpo_jax/data/rgym.py).
+`reasoning_gym` calls that package's own verifiers (`gym.py`).
 Math-Verify's own signal-based timeouts are switched off because `pool.py` enforces a
 per-item deadline itself (both use SIGALRM, and Math-Verify would cancel ours).
 """
@@ -23,12 +23,14 @@ from typing import Sequence
 import math_verify
 
 from exgrpo_jax import registry
+from exgrpo_jax.rewards import gym
 
 REWARDS = registry.Registry("reward")
 
 # data_source -> reward; anything not listed is graded by Math-Verify.
 SOURCE_REWARDS = {"arc_c": "multiple_choice", "gpqa": "multiple_choice",
-                  "gpqa_diamond": "multiple_choice", "gsm8k": "gsm8k"}
+                  "gpqa_diamond": "multiple_choice", "mmlu_pro": "multiple_choice",
+                  "gsm8k": "gsm8k"}
 
 # Per-item outcome codes (see `grade` and `pool.RewardPool`).
 OK, FORMAT, NO_ANSWER, TIMEOUT, EXCEPTION, CRASH = (
@@ -57,6 +59,19 @@ def load_plugins(modules: str | Sequence[str]) -> tuple[str, ...]:
     except ImportError as e:
       raise ImportError(f"reward plugin module {name!r} cannot be imported: {e}") from e
   return names
+
+
+def plugin_modules() -> tuple[str, ...]:
+  """The modules, outside this package, that define the rewards registered so far.
+
+  Reward workers import them first, so a reward registered in the main process (through
+  `load_plugins` or by importing its module) is known in theirs. A script run as
+  `__main__` is left out: `spawn` re-runs it in every worker, registering its rewards.
+  """
+  modules = (getattr(REWARDS.get(name), "__module__", None) for name in REWARDS.names())
+  return tuple(dict.fromkeys(
+      m for m in modules
+      if m and m not in ("__main__", "__mp_main__") and not m.startswith("exgrpo_jax.")))
 
 
 def reward_for_source(data_source: str, override: str = "") -> str:
@@ -195,5 +210,4 @@ def gsm8k_reward(solution: str, ground_truth: str) -> float | None:
 @REWARDS.register("reasoning_gym")
 def reasoning_gym_reward(solution: str, ground_truth: str) -> float | None:
   """A reasoning_gym dataset's own verifier (ground truth: JSON naming the entry)."""
-  from exgrpo_jax.data import rgym  # pylint: disable=import-outside-toplevel
-  return rgym.score(solution, ground_truth)
+  return gym.score(solution, ground_truth)

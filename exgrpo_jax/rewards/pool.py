@@ -2,6 +2,7 @@
 
   with rewards.RewardPool(num_workers=4, timeout_s=10.0) as pool:
     rewards_N, stats = pool.score([rewards.RewardItem(text, gt, "math_verify", gate), ...])
+    scores = pool.grade(items)   # also each item's status and exception text
 
 Each item is sent to an idle worker on its own pipe, so the parent knows which item each
 worker holds and since when. Two deadlines guard every item:
@@ -61,21 +62,39 @@ def _on_alarm(signum, frame):
   raise _Deadline()
 
 
-def grade_with_deadline(item: RewardItem, timeout_s: float) -> tuple[float, str]:
-  """(reward, status) for one item, graded in this thread (which must be the main one)."""
+@dataclasses.dataclass
+class Scores:
+  """The grading of a batch of items, in their order.
+
+  Attributes:
+    rewards_N: float32 rewards (0 for every status but OK).
+    status_N: each item's status (`graders.STATUSES`).
+    error_N: "Type: message" (one line, at most 500 characters) of the exception an
+      EXCEPTION item raised, else "".
+    stats: counts of the batch (total, correct, timeouts, exceptions, ...) and seconds.
+  """
+
+  rewards_N: np.ndarray
+  status_N: np.ndarray
+  error_N: np.ndarray
+  stats: dict
+
+
+def grade_with_deadline(item: RewardItem, timeout_s: float) -> tuple[float, str, str]:
+  """(reward, status, exception text) for one item, graded in this thread (which must be
+  the main one)."""
   previous = signal.signal(signal.SIGALRM, _on_alarm)
   try:
     try:
       signal.setitimer(signal.ITIMER_REAL, timeout_s)
-      return graders.grade(item.response, item.ground_truth, item.reward_name,
-                           item.think_gate)
+      return *graders.grade(item.response, item.ground_truth, item.reward_name,
+                            item.think_gate), ""
     finally:
       signal.setitimer(signal.ITIMER_REAL, 0)
   except _Deadline:
-    return 0.0, graders.TIMEOUT
+    return 0.0, graders.TIMEOUT, ""
   except Exception as e:  # pylint: disable=broad-except
-    logging.warning("reward %r raised %s: %s", item.reward_name, type(e).__name__, e)
-    return 0.0, graders.EXCEPTION
+    return 0.0, graders.EXCEPTION, f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]
   finally:
     signal.signal(signal.SIGALRM, previous)
 
@@ -90,7 +109,7 @@ def _cap_address_space(max_memory_mb: int) -> None:
 
 def _worker_main(conn, timeout_s: float, plugin_modules: Sequence[str],
                  max_memory_mb: int) -> None:
-  """A worker's loop: receive (index, item), answer (index, reward, status)."""
+  """A worker's loop: receive (index, item), answer (index, reward, status, error)."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   try:
@@ -139,17 +158,21 @@ class RewardPool:
       the main thread for SIGALRM and cannot recover from a hang inside C code).
     timeout_s: per-item deadline.
     grace_s: extra time before a silent worker is killed.
-    plugin_modules: modules every worker imports first (custom rewards registered in
-      `graders.REWARDS` from user code).
+    plugin_modules: modules every worker imports first, besides those of the rewards
+      registered in this process (custom rewards registered in `graders.REWARDS` by user
+      code).
     start_method: multiprocessing start method ("spawn" or "forkserver").
     max_memory_mb: address-space headroom per worker (0 = no cap); a grader that needs
       more fails with MemoryError and the item counts as an exception.
     startup_timeout_s: how long a new worker may take to import its modules.
+    log_errors: log the first exception of each reward and exception type (callers that
+      report exceptions themselves turn this off).
   """
 
   def __init__(self, num_workers: int = 4, timeout_s: float = 10.0, grace_s: float = 2.0,
                plugin_modules: Sequence[str] = (), start_method: str = "spawn",
-               max_memory_mb: int = 4096, startup_timeout_s: float = 120.0):
+               max_memory_mb: int = 4096, startup_timeout_s: float = 120.0,
+               log_errors: bool = True):
     if num_workers < 0 or timeout_s <= 0:
       raise ValueError(f"RewardPool needs num_workers >= 0 and timeout_s > 0, got "
                        f"{num_workers} and {timeout_s}")
@@ -158,16 +181,19 @@ class RewardPool:
     self.hard_timeout_s = float(timeout_s + grace_s)
     self.startup_timeout_s = startup_timeout_s
     self._ctx = multiprocessing.get_context(start_method)
-    self._args = (self.timeout_s, tuple(plugin_modules), max_memory_mb)
+    modules = tuple(dict.fromkeys((*graders.plugin_modules(), *plugin_modules)))
+    self._args = (self.timeout_s, modules, max_memory_mb)
     if num_workers == 0:
       graders.load_plugins(plugin_modules)
+    self.log_errors = log_errors
+    self._logged = set()
     self._workers = [_Worker(self._ctx, self._args) for _ in range(num_workers)]
     self.restarts = 0
     self._start_deaths = 0
     try:
       while not all(w.ready for w in self._workers):
         starting = [w for w in self._workers if not w.ready]
-        self._poll(starting, min(w.started for w in starting) + startup_timeout_s, None, None)
+        self._poll(starting, min(w.started for w in starting) + startup_timeout_s, None)
         self._check_startup()
     except RuntimeError:
       self.close()
@@ -175,32 +201,50 @@ class RewardPool:
 
   def score(self, items: Sequence[RewardItem]) -> tuple[np.ndarray, dict]:
     """(rewards float32 [N], stats) for `items`, in order."""
-    rewards_N, _, stats = self.score_with_status(items)
-    return rewards_N, stats
+    scores = self.grade(items)
+    return scores.rewards_N, scores.stats
 
   def score_with_status(self, items: Sequence[RewardItem]):
     """(rewards float32 [N], status [N] (one of graders.STATUSES), stats)."""
+    scores = self.grade(items)
+    return scores.rewards_N, scores.status_N, scores.stats
+
+  def grade(self, items: Sequence[RewardItem]) -> Scores:
+    """Rewards, statuses and exception texts of `items`, in order, with the stats."""
     start = time.perf_counter()
     restarts_before = self.restarts
-    rewards_N = np.zeros(len(items), np.float32)
-    status_N = np.full(len(items), graders.OK, dtype=object)
+    n = len(items)
+    scores = Scores(np.zeros(n, np.float32), np.full(n, graders.OK, dtype=object),
+                    np.full(n, "", dtype=object), {})
     if self.num_workers == 0:
       if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("RewardPool(num_workers=0) must be used from the main thread")
       for i, item in enumerate(items):
-        rewards_N[i], status_N[i] = grade_with_deadline(item, self.timeout_s)
+        scores.rewards_N[i], scores.status_N[i], scores.error_N[i] = grade_with_deadline(
+            item, self.timeout_s)
     else:
-      self._run(items, rewards_N, status_N)
-    counts = collections.Counter(status_N.tolist())
-    stats = dict(total=len(items), correct=int((rewards_N > 0).sum()),
-                 timeouts=counts[graders.TIMEOUT], exceptions=counts[graders.EXCEPTION],
-                 crashes=counts[graders.CRASH], format_failures=counts[graders.FORMAT],
-                 no_answer=counts[graders.NO_ANSWER],
-                 worker_restarts=self.restarts - restarts_before,
-                 seconds=time.perf_counter() - start)
-    return rewards_N, status_N, stats
+      self._run(items, scores)
+    counts = collections.Counter(scores.status_N.tolist())
+    scores.stats = dict(total=n, correct=int((scores.rewards_N > 0).sum()),
+                        timeouts=counts[graders.TIMEOUT], exceptions=counts[graders.EXCEPTION],
+                        crashes=counts[graders.CRASH], format_failures=counts[graders.FORMAT],
+                        no_answer=counts[graders.NO_ANSWER],
+                        worker_restarts=self.restarts - restarts_before,
+                        seconds=time.perf_counter() - start)
+    if self.log_errors:
+      self._log_new_errors(items, scores.error_N)
+    return scores
 
-  def _run(self, items, rewards_N, status_N) -> None:
+  def _log_new_errors(self, items, error_N) -> None:
+    """One warning for the first exception of each (reward, exception type)."""
+    for item, error in zip(items, error_N):
+      key = (item.reward_name, error.split(":", 1)[0])
+      if error and key not in self._logged:
+        self._logged.add(key)
+        logging.warning("reward %r raised %s (scored 0; further ones are only counted, in "
+                        "reward/exceptions)", item.reward_name, error)
+
+  def _run(self, items, scores: Scores) -> None:
     if not self._workers:
       raise RuntimeError("RewardPool is closed")
     pending = collections.deque(range(len(items)))
@@ -218,15 +262,15 @@ class RewardPool:
       busy = [w for w in self._workers if w.task or not w.ready]
       deadline = min(w.task[1] if w.task else w.started + self.startup_timeout_s
                      for w in busy)
-      self._poll(busy, deadline, rewards_N, status_N)
+      self._poll(busy, deadline, scores)
       self._check_startup()
       now = time.monotonic()
       for j, w in enumerate(self._workers):
         if w.task and now >= w.task[1]:
-          status_N[w.task[0]] = graders.TIMEOUT
+          scores.status_N[w.task[0]] = graders.TIMEOUT
           self._replace(j)
 
-  def _poll(self, workers, deadline, rewards_N, status_N) -> None:
+  def _poll(self, workers, deadline, scores: Scores | None) -> None:
     """Handles the messages (or deaths) of `workers` that arrive before `deadline`."""
     by_conn = {w.conn: (j, w) for j, w in enumerate(self._workers) if w in workers}
     timeout = max(0.0, deadline - time.monotonic())
@@ -242,7 +286,7 @@ class RewardPool:
                                f"({self._start_deaths} times; see their stderr)") from None
           self._replace(j)
           continue
-        status_N[w.task[0]] = graders.CRASH
+        scores.status_N[w.task[0]] = graders.CRASH
         self._replace(j)
         continue
       if message == _READY:
@@ -250,8 +294,8 @@ class RewardPool:
       elif not w.ready:
         raise RuntimeError(f"a reward worker failed to start: {message[1]}")
       else:
-        index, reward, status = message
-        rewards_N[index], status_N[index] = reward, status
+        index, *result = message
+        scores.rewards_N[index], scores.status_N[index], scores.error_N[index] = result
         w.task = None
 
   def _check_startup(self) -> None:

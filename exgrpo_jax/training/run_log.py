@@ -93,21 +93,26 @@ class TensorBoardLogger:
 
 @LOGGERS.register("wandb")
 class WandbLogger:
-  """A Weights & Biases run; its id is kept in `<workdir>/wandb_id` so a resume continues it."""
+  """A Weights & Biases run; its id is kept in `<workdir>/wandb_id` so a resume continues it.
+
+  The first session lets wandb pick the id (`run.id`, public API) and keeps it; later ones
+  pass it back with resume="allow". Offline (`WANDB_MODE=offline`) each session writes
+  `<workdir>/wandb/offline-run-<time>-<id>`; `wandb sync` uploads them as one run.
+  """
 
   def __init__(self, workdir: str, config):
     import wandb  # pylint: disable=g-import-not-at-top
     id_path = os.path.join(workdir, "wandb_id")
+    run_id = None
     if os.path.exists(id_path):
       with open(id_path, encoding="utf-8") as f:
-        run_id = f.read().strip()
-    else:
-      run_id = wandb.util.generate_id()
-      with open(id_path, "w", encoding="utf-8") as f:
-        f.write(run_id)
+        run_id = f.read().strip() or None
     self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "exgrpo_jax"), id=run_id,
                            name=os.path.basename(os.path.abspath(workdir)), dir=workdir,
                            config=config, resume="allow")
+    if run_id is None:
+      with open(id_path, "w", encoding="utf-8") as f:
+        f.write(self._run.id)
 
   def write(self, step: int, metrics: dict) -> None:
     self._run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
