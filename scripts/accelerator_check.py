@@ -12,7 +12,8 @@ scripts/accelerator_parts.py and, for sampler and learner, scripts/accelerator_s
   sampler  tokens/s at batch 1, 64, 256 for SmolLM2 and a random Qwen2.5-1.5B shape,
            against transformers `generate` and the HBM-bandwidth bound;
   learner  step time, tokens/s, MFU and memory of the Qwen2.5-1.5B shape at S = 4,096
-           and 9,216 per attention implementation, against scripts/memory_plan.py;
+           and 9,216 per attention implementation, against the AOT check's prediction
+           for the same program (docs/results/aot_accelerator_learner.json);
   gap      sampler against learner log-probs on the same tokens, float32 and bfloat16;
   train    a real ExGRPO run (configs/smollm2_135m.py) until its budget, reward curve.
 

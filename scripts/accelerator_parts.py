@@ -120,11 +120,16 @@ def _subject(name: str, workdir: str) -> Subject:
     policy = models.from_pretrained()
     return Subject("SmolLM2-135M-Instruct", policy.config, policy.params, tokenizer,
                    models.resolve_hf_dir(models.default_model_path()))
-  hf = published.HF_CONFIGS["Qwen2.5-Math-1.5B"]
-  cfg = models.from_hf_config(dict(hf, max_position_embeddings=16384),
-                              pad_token_id=tokenizer.pad_token_id)
+  cfg = qwen_shape(tokenizer.pad_token_id)
   return Subject("Qwen2.5-1.5B shape (random)", cfg,
                  models.init_params(cfg, jax.random.key(0)), tokenizer, None)
+
+
+def qwen_shape(pad_token_id: int | None = None) -> models.ModelConfig:
+  """The check's Qwen2.5-Math-1.5B-shaped model, its context widened to 16k tokens."""
+  hf = published.HF_CONFIGS["Qwen2.5-Math-1.5B"]
+  return models.from_hf_config(dict(hf, max_position_embeddings=16384),
+                               pad_token_id=pad_token_id)
 
 
 def _smoke_subject(name: str, workdir: str) -> Subject:

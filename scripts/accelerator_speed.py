@@ -1,11 +1,17 @@
 """The speed parts of scripts/accelerator_check.py: sampler tokens/s and the learner step.
 
-Registered in `accelerator_parts.PARTS`; shapes from `accelerator_parts.Sizes`.
+Registered in `accelerator_parts.PARTS`; shapes from `accelerator_parts.Sizes`. Run alone,
+in scripts/aot_env.sh's GPU environment, it writes the AOT check's memory figures of the
+learner cases for a GPU the check will run on:
+
+  .aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1
 """
 
+import argparse
 import importlib
 import json
 import math
+import os
 import sys
 import time
 
@@ -17,12 +23,17 @@ from exgrpo_jax import models
 from exgrpo_jax import sharding
 from exgrpo_jax.models import attention
 from exgrpo_jax.training import learner
-from scripts import accelerator_parts as parts
-from scripts import bench_attention_memory
-from scripts import bench_sampler
-from scripts import memory_plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script
+  sys.path.insert(0, REPO)
+
+from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts import bench_attention_memory  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts import bench_sampler  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
+AOT_PREDICTIONS = os.path.join(REPO, "docs", "results", "aot_accelerator_learner.json")
 # Dense bfloat16 peak (TFLOP/s, no sparsity) by device_kind substring, first match wins.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4),
                     ("H200", 989.4), ("A100", 312.0))
@@ -123,15 +134,72 @@ def _device_peak_gib() -> float | None:
   return stats["peak_bytes_in_use"] / GIB if "peak_bytes_in_use" in stats else None
 
 
+def _lower(config, cfg, params, opt_state, batch):
+  """The learner step of a case, lowered for these (real or abstract) arguments."""
+  return learner.step_program(params, opt_state).lower(
+      params, opt_state, batch, cfg=cfg, algo=learner.frozen(config.algo),
+      optim=learner.frozen(config.optim), use_clip=True, chunk=config.train.logprob_chunk)
+
+
+def predict(target: str, out: str) -> None:
+  """The AOT check's memory figures for every learner case of the full check on one
+  `target` device (run in scripts/aot_env.sh's GPU environment); the check on that GPU
+  sets its own against them (`aot_prediction`)."""
+  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  targets.prepare_environment()
+  device = targets.devices(targets.get(target))[0]
+  mesh = jax.sharding.Mesh(np.array([device]), ("fsdp",))
+  on_device = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
+  config = importlib.import_module("configs.qwen1_5b").get_config()
+  sz = parts.FULL
+  cases = {}
+  for impl in ("cudnn", "blockwise", "xla"):
+    cfg = parts.qwen_shape().replace(dtype="bfloat16", param_dtype="float32", remat="full",
+                                     attention=impl)
+    params = on_device(models.abstract_params(cfg))
+    opt_state = on_device(jax.eval_shape(learner.make_optimizer(config.optim).init, params))
+    for S in sz.learner_lengths:
+      batch = on_device(jax.eval_shape(lambda S=S: _train_batch(
+          S, sz.learner_micro_batches, cfg.vocab_size, np.random.default_rng(0))))
+      with sharding.use_mesh(mesh):  # attention resolves against the target's device
+        m = _lower(config, cfg, params, opt_state, batch).compile().memory_analysis()
+      cases[_case_key(impl, S, sz.learner_micro_batches)] = dict(
+          peak_gib=analysis.peak_bytes(m) / GIB, temp_gib=m.temp_size_in_bytes / GIB,
+          argument_gib=m.argument_size_in_bytes / GIB)
+      print(f"[accelerator_speed] {target} {impl} S={S}: peak "
+            f"{analysis.peak_bytes(m) / GIB:.2f} GiB", file=sys.stderr, flush=True)
+  kinds = {}
+  if os.path.exists(out):
+    with open(out, encoding="utf-8") as f:
+      kinds = json.load(f)
+  kinds[device.device_kind] = dict(target=target, jax=jax.__version__, cases=cases)
+  with open(out, "w", encoding="utf-8") as f:
+    json.dump(kinds, f, indent=1)
+    f.write("\n")
+
+
+def _case_key(impl: str, S: int, M: int) -> str:
+  return f"{impl} S={S} M={M}"
+
+
+def _prediction(impl: str, S: int, M: int) -> dict | None:
+  """The AOT check's figures for this case on this device kind, if any were made."""
+  if not os.path.exists(AOT_PREDICTIONS):
+    return None
+  with open(AOT_PREDICTIONS, encoding="utf-8") as f:
+    kinds = json.load(f)
+  return kinds.get(jax.devices()[0].device_kind, {}).get("cases", {}).get(
+      _case_key(impl, S, M))
+
+
 def _learner_case(config, cfg, S: int, M: int, steps: int) -> dict:
   params = models.init_params(cfg, jax.random.key(0))
   opt_state = learner.make_optimizer(config.optim).init(params)
   batch = _train_batch(S, M, cfg.vocab_size, np.random.default_rng(0))
   start = time.perf_counter()
-  compiled = learner.step_program(params, opt_state).lower(
-      params, opt_state, batch, cfg=cfg, algo=learner.frozen(config.algo),
-      optim=learner.frozen(config.optim), use_clip=True,
-      chunk=config.train.logprob_chunk).compile()
+  compiled = _lower(config, cfg, params, opt_state, batch).compile()
   compile_s = time.perf_counter() - start
   m = compiled.memory_analysis()
   times = []
@@ -149,13 +217,10 @@ def _learner_case(config, cfg, S: int, M: int, steps: int) -> dict:
                                       else cfg.vocab_size * cfg.hidden_size)
   flops = tokens * (6 * matmul_params + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * S)
   peak = _peak_tflops()
-  mesh = jax.sharding.AbstractMesh((1, 1), ("fsdp", "tensor"))
-  plan_bytes = (6 * memory_plan.shard_bytes(cfg, mesh, sharding.LEARNER_RULES, cfg.param_dtype)
-                + memory_plan.activation_bytes(cfg, 1, S, 1, cfg.remat,
-                                               config.train.logprob_chunk,
-                                               gpu=jax.default_backend() == "gpu"))
   compiled_bytes = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                     - m.alias_size_in_bytes)
+  predicted = _prediction(cfg.attention, S, M)
+  device_peak = _device_peak_gib()
   del params, opt_state
   return dict(attention=cfg.attention, S=S, micro_batches=M, step_s=step_s,
               tokens_per_s=tokens / step_s, model_tflop_per_step=flops / 1e12,
@@ -163,9 +228,10 @@ def _learner_case(config, cfg, S: int, M: int, steps: int) -> dict:
               compile_s=compile_s, skipped_steps=float(metrics["skipped"]),
               compiled_gib=dict(total=compiled_bytes / GIB, temp=m.temp_size_in_bytes / GIB,
                                 arguments=m.argument_size_in_bytes / GIB),
-              device_peak_gib_so_far=_device_peak_gib(),
-              memory_plan_learner_peak_gib=plan_bytes / GIB,
-              compiled_over_plan=compiled_bytes / plan_bytes)
+              device_peak_gib_so_far=device_peak,
+              aot_prediction=predicted,
+              compiled_over_predicted=(None if predicted is None
+                                       else compiled_bytes / GIB / predicted["peak_gib"]))
 
 
 @parts.PARTS.register("learner")
@@ -173,7 +239,8 @@ def learner_step(ctx: parts.Context, deadline: parts.Deadline) -> dict:
   """Optimizer-step time, tokens/s and MFU of the Qwen2.5-1.5B shape (bfloat16 compute,
   float32 params and AdamW, remat full; configs/qwen1_5b.py's optimizer and log-prob
   chunk), per attention implementation and S, with XLA's memory analysis of the step
-  against scripts/memory_plan.py's learner peak (one device, one sequence per micro-batch)."""
+  against the AOT check's for the same program on this device kind (`predict`; one
+  device, one sequence per micro-batch)."""
   sz = ctx.sizes
   config = importlib.import_module("configs.qwen1_5b").get_config()
   model_cfg = lambda: ctx.subject("qwen").cfg.replace(
@@ -206,3 +273,15 @@ def learner_step(ctx: parts.Context, deadline: parts.Deadline) -> dict:
                         if "error" in c],
               summary=", ".join(f"{c['attention']} S={c['S']} {c['step_s']:.2f}s"
                                 for c in ran))
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description="AOT predictions of the learner cases")
+  parser.add_argument("--predict", required=True, help="target, e.g. h100x1")
+  parser.add_argument("--out", default=AOT_PREDICTIONS)
+  args = parser.parse_args(argv)
+  predict(args.predict, args.out)
+
+
+if __name__ == "__main__":
+  main()

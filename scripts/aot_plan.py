@@ -17,7 +17,8 @@ The chosen mesh keeps the config's micro-batch where any can, then has the most 
 per call, then the least tensor parallelism (the old analytic plan's rule). Its whole
 training step is compiled once more with those settings: that report is the output,
 with every candidate's figures under "search". GPU targets read
-XLA_PYTHON_CLIENT_MEM_FRACTION (BUILD.md runs them at 0.95).
+XLA_PYTHON_CLIENT_MEM_FRACTION (BUILD.md runs them at 0.95). `--like` takes another
+config's choice (the instruct models have their base model's shapes) and compiles it.
 """
 
 import argparse
@@ -101,24 +102,29 @@ class Planner:
     return guess
 
 
-def plan(name: str, target: str) -> dict:
+def plan(name: str, target: str, like: dict | None = None) -> dict:
+  """The search and the chosen settings' report; `like` (another config's plan on the
+  same target, with the same shapes) skips the search and takes its choice."""
   planner = Planner(name, target)
   base = importlib.import_module(f"configs.{name}").get_config()
   rows = base.train.batch_questions * base.rollout.k
   heads = planner.check.model_config(base).num_heads
   candidates = []
   for tensor in (1, 2, 4, 8):
-    if planner.spec.devices % tensor or (tensor == 8 and heads % 8):
+    if like or planner.spec.devices % tensor or (tensor == 8 and heads % 8):
       continue
     micro = planner.learner(tensor, base.optim.micro_batch_size)
     max_rows = planner.rollout(tensor, rows) if micro else 0
     candidates.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows))
   fitting = [c for c in candidates if c["micro_batch_size"] and c["max_rows"]]
   result = dict(config=f"configs/{name}.py", target=target, usable_gib=planner.usable,
-                candidates=candidates, search=planner.search)
+                candidates=candidates, search=planner.search,
+                searched_as=like["config"] if like else None)
+  if like and like["fits"]:
+    fitting = [{k: like["chosen"][k] for k in ("tensor", "micro_batch_size", "max_rows")}]
   if not fitting:
     failure = next((s["first_failure"] for s in reversed(planner.search)
-                    if s["first_failure"]), "nothing fits")
+                    if s["first_failure"]), like and like["verdict"] or "nothing fits")
     return dict(result, fits=False, verdict=f"{name} does not fit {target}: {failure}")
   best = max(fitting, key=lambda c: (c["micro_batch_size"] >= base.optim.micro_batch_size,
                                      c["micro_batch_size"], c["max_rows"], -c["tensor"]))
@@ -164,6 +170,8 @@ def main(argv=None) -> None:
   parser.add_argument("--config", help="configs/NAME.py")
   parser.add_argument("--target", choices=list(targets.TARGETS))
   parser.add_argument("--out")
+  parser.add_argument("--like", help="a plan JSON of a config with the same shapes on the "
+                      "same target: compile its choice instead of searching")
   parser.add_argument("--render", nargs="+", help="render these plan JSON files")
   args = parser.parse_args(argv)
   if args.render:
@@ -173,7 +181,11 @@ def main(argv=None) -> None:
     parser.error("give --config, --target and --out (or --render FILES)")
   targets.prepare_environment()
   name = os.path.basename(args.config).removesuffix(".py")
-  result = plan(name, args.target)
+  like = None
+  if args.like:
+    with open(args.like, encoding="utf-8") as f:
+      like = json.load(f)
+  result = plan(name, args.target, like)
   with open(args.out, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
     f.write("\n")

@@ -64,7 +64,8 @@ def test_smoke_figures_are_plausible(smoke):
       assert run["transformers"]["tokens_per_s"] > 0
   (case,) = figures["learner"]["cases"]
   assert case["step_s"] > 0 and case["tokens_per_s"] > 0, case
-  assert case["compiled_gib"]["total"] > 0 and case["memory_plan_learner_peak_gib"] > 0
+  assert case["compiled_gib"]["total"] > 0
+  assert case["aot_prediction"] is None  # none is made for the CPU
   float32, bfloat16 = figures["gap"]["rows"]
   assert float32["tokens"] == bfloat16["tokens"] > 0
   assert float32["max_abs_delta_logp"] < 1e-3 and float32["fraction_ratio_off_by_1pct"] == 0
