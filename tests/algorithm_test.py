@@ -42,8 +42,8 @@ def test_steps_with_a_large_or_non_finite_gradient_norm_are_skipped(case):
   optim = ml_collections.ConfigDict(dict(lr=1e-2, weight_decay=0.01, b1=0.9, b2=0.999,
                                          eps=1e-8, grad_clip=1.0, skip_grad_norm=500.0))
   batch = learner_test._batch(learner_test.N)  # pylint: disable=protected-access
-  if case == "above_the_bound":
-    optim.skip_grad_norm = 1e-6  # far below this batch's gradient norm
+  if case == "above_the_bound":  # advantages 1e6 times larger: a norm far above 500
+    batch = batch.replace(adv_MxBxR=batch.adv_MxBxR * 1e6)
   elif case == "non_finite":
     batch = batch.replace(adv_MxBxR=np.full_like(batch.adv_MxBxR, np.nan))
   tx = learner.make_optimizer(optim)
@@ -58,10 +58,13 @@ def test_steps_with_a_large_or_non_finite_gradient_norm_are_skipped(case):
   unchanged = all(np.array_equal(a, np.asarray(b)) for a, b in
                   zip(jax.tree.leaves(before), jax.tree.leaves((params, opt_state))))
   if case == "applied":
-    assert metrics["skipped"] == 0 and 1e-6 < metrics["grad_norm"] < 500 and not unchanged
+    assert metrics["skipped"] == 0 and metrics["grad_norm"] < 500 and not unchanged
   else:
     assert metrics["skipped"] == 1 and unchanged
-    assert (case == "non_finite") == (not np.isfinite(metrics["grad_norm"]))
+    if case == "non_finite":
+      assert not np.isfinite(metrics["grad_norm"])
+    else:
+      assert metrics["grad_norm"] > 500
 
 
 @pytest.mark.parametrize("is_correction", [True, False])
@@ -140,7 +143,8 @@ def test_sections_are_numbered_and_every_citation_names_one():
   files = [os.path.join(root, p) for p in ("README.md", "BUILD.md")]
   for pattern in ("docs/*.md", "exgrpo_jax/**/*.py", "configs/*.py", "scripts/*",
                   "tests/*.py"):
-    files += glob.glob(os.path.join(root, pattern), recursive=True)
+    files += [p for p in glob.glob(os.path.join(root, pattern), recursive=True)
+              if os.path.isfile(p)]
   citing = 0
   for path in files:
     with open(path, encoding="utf-8") as f:
