@@ -342,8 +342,8 @@ def main(argv=None):
     run["ours"] = bench_ours(policy.config, policy.params, tokenizer, prompts,
                              args.new_tokens, args.repeats)
     if not compare:
-      run["transformers"] = dict(skipped=NO_TORCH if not args.skip_transformers
-                                 else "--skip-transformers")
+      run["transformers"] = dict(skipped="--skip-transformers" if args.skip_transformers
+                                 else "PyTorch is not installed")
     else:
       log(f"batch {batch}: transformers")
       run["transformers"] = bench_transformers(hf_dir, tokenizer, prompts, args.new_tokens,
