@@ -1,6 +1,6 @@
 """Shared config blocks; every model config starts from `base_config()`.
 
-Defaults are the paper's (SPEC section 2, reference section 3). Values derived from
+Defaults are the paper's (docs/algorithm.md §16). Values derived from
 others are references, never copies: `replay.k` is `rollout.k` (an override of
 `replay.k` alone is refused by config_check), `replay.sigma` is 1/K in accuracy units
 and `algo.norm_len` is `rollout.max_new_tokens`; overriding a derived value detaches
@@ -125,7 +125,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.replay = ml_collections.ConfigDict(dict(
       k=c.rollout.get_ref("k").identity(),
       mu=0.5,
-      # Accuracy units, 1/K: the reference's count-unit sd of 1 (SPEC section 2, step 2).
+      # Accuracy units, 1/K: the official code's count-unit sd of 1 (docs/algorithm.md §4).
       sigma=1.0 / c.rollout.get_ref("k").to_float(),
       weighting="gaussian",   # gaussian | uniform | proportional
       # correct_count: bucket = correct rollouts out of K; reward_std: the continuous-

@@ -1,4 +1,4 @@
-"""Group-relative advantages (SPEC section 2, step 6), registered by name.
+"""Group-relative advantages (docs/algorithm.md §9), registered by name.
 
 A group is one question's K responses; in a replay group the replayed trajectory is one
 member and shares the group statistics with the K-1 fresh ones. Rewards are [Q, K].

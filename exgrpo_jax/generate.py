@@ -1,14 +1,16 @@
 """Samples completions for prompts given on the command line and prints them.
 
-  python -m exgrpo_jax.generate --prompt "What is 12 + 35?" --chat   # embedded SmolLM2
+  python -m exgrpo_jax.generate --prompt "What is 12 + 35?" --chat --temperature 0.6
   python -m exgrpo_jax.generate --model PATH --prompt "Once upon a time" --n 4 \\
       --temperature 0.8 --top-p 0.95 --max-new-tokens 128 --seed 0
 
 PATH is an HF directory, a .gguf file or an exgrpo_jax training checkpoint; without
---model the embedded SmolLM2-135M-Instruct is used. --chat wraps each prompt as a user
-message in the tokenizer's chat template. --max-rows N decodes at most N rows at once
-(the others wait for a free slot: continuous batching). Completions go to stdout,
-progress and timing (compile time separately) to stderr.
+--model the embedded SmolLM2-135M-Instruct is used. The default --temperature 1 samples
+the model's full distribution, where a model this small soon wanders off the question;
+0.6 (the paper's evaluation temperature) or 0 (greedy) keeps it on it. --chat wraps
+each prompt as a user message in the tokenizer's chat template. --max-rows N decodes at
+most N rows at once (the others wait for a free slot: continuous batching). Completions
+go to stdout, progress and timing (compile time separately) to stderr.
 """
 
 import argparse

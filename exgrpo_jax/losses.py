@@ -1,4 +1,4 @@
-"""Mixed on/off-policy policy-gradient losses (SPEC section 2, step 8), jitted.
+"""Mixed on/off-policy policy-gradient losses (docs/algorithm.md §11), jitted.
 
 Per valid token, with ratio r = exp(logp - old_logp) (old_logp: pi_old at the step's start
 on fresh tokens, the rollout's or the learner's recompute per `algo.old_logp_source`; the

@@ -18,8 +18,8 @@ import time
 from exgrpo_jax import data
 from exgrpo_jax import rewards
 
-DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
-                            "exgrpo_test_id.parquet")
+# Relative to the data directory, where `python -m exgrpo_jax.prepare_data` writes it.
+DEFAULT_DATA = "exgrpo_test_id.parquet"
 
 
 def workloads(path: str) -> dict[str, list[rewards.RewardItem]]:
@@ -50,7 +50,9 @@ def bench(items, num_workers: int, runs: int, timeout_s: float) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--data", default=os.path.normpath(DEFAULT_DATA))
+  parser.add_argument("--data", default=DEFAULT_DATA,
+                      help="a data file; relative paths are in the data directory "
+                      "($EXGRPO_DATA_DIR, else ~/.cache/exgrpo_jax/data)")
   parser.add_argument("--workers", default=f"1,{os.cpu_count()}")
   parser.add_argument("--runs", type=int, default=3)
   parser.add_argument("--timeout", type=float, default=10.0)

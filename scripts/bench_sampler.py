@@ -6,13 +6,17 @@
   python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --new-tokens 512
   python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 8 --new-tokens 256
 
-Both samplers run in this process on the same chat prompts (GSM8K test questions from
-../shared/data when present), sample at temperature 1 with no top-k/top-p, and generate
+Both samplers run in this process on the same chat prompts (GSM8K test questions,
+`gsm8k_test.parquet` in the data directory where `python -m exgrpo_jax.prepare_data`
+writes it, else short generated questions), sample at temperature 1 with no top-k/top-p,
+and generate
 exactly --new-tokens tokens per row (EOS ignored). Times are medians of --repeats calls
 after a warm-up call, so compilation is excluded and reported on its own. Per batch size
 the JSON has:
 
-* tokens_per_s (end to end, prefill included) for ours and transformers, and their ratio;
+* tokens_per_s (end to end, prefill included) for ours and transformers, and their ratio
+  (transformers needs PyTorch, which the plain install leaves out: without it the
+  comparison is skipped with a note; `pip install "torch==2.13.0+cpu"` adds it on CPU);
 * our decode-only rate, from the time difference of two response lengths;
 * the roofline: decode FLOPs per step (matmuls + attention over the average context)
   divided by the matmul throughput measured on the model's own weight shapes at that
@@ -49,6 +53,7 @@ machine.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -62,10 +67,13 @@ import numpy as np
 from exgrpo_jax import generate
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.data import readers
 from exgrpo_jax.sampling import decode
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                    "shared", "data", "gsm8k_test.parquet")
+DATA = "gsm8k_test.parquet"  # in the data directory (readers.default_dir())
+NO_TORCH = ('transformers comparison skipped: it needs PyTorch, which the plain install '
+            'leaves out (pip install "torch==2.13.0+cpu" on CPU; --skip-transformers '
+            'silences this)')
 FALLBACK = ["What is {i} + 35?", "Name {i} animals that live in the sea.",
             "Explain in a few words why the sky is blue (take {i})."]
 
@@ -76,9 +84,10 @@ def log(message):
 
 def chat_prompts(tokenizer, count):
   """`count` chat-formatted prompts: GSM8K test questions, else numbered fallbacks."""
-  if os.path.exists(DATA):
+  path = readers.resolve(DATA)
+  if os.path.exists(path):
     import pandas as pd  # pylint: disable=g-import-not-at-top
-    questions = pd.read_parquet(DATA)["question"].tolist()[:count]
+    questions = pd.read_parquet(path)["question"].tolist()[:count]
   else:
     questions = [FALLBACK[i % len(FALLBACK)].format(i=i) for i in range(count)]
   return [generate.encode(tokenizer, q, chat=True) for q in questions]
@@ -294,6 +303,10 @@ def main(argv=None):
   p.add_argument("--rows", type=int, default=32, help="--schedulers: rows per rollout")
   p.add_argument("--samples", type=int, default=4, help="--schedulers: rows per prompt")
   args = p.parse_args(argv)
+  compare = not (args.skip_transformers or args.schedulers or args.cache_phases)
+  if compare and importlib.util.find_spec("torch") is None:
+    log(NO_TORCH)
+    compare = False
   policy = models.from_pretrained(args.model or None)
   tokenizer = models.load_tokenizer(args.model or None)
   hf_dir = models.resolve_hf_dir(args.model or models.default_model_path())
@@ -328,7 +341,10 @@ def main(argv=None):
     log(f"batch {batch}: ours")
     run["ours"] = bench_ours(policy.config, policy.params, tokenizer, prompts,
                              args.new_tokens, args.repeats)
-    if not args.skip_transformers:
+    if not compare:
+      run["transformers"] = dict(skipped="--skip-transformers" if args.skip_transformers
+                                 else "PyTorch is not installed")
+    else:
       log(f"batch {batch}: transformers")
       run["transformers"] = bench_transformers(hf_dir, tokenizer, prompts, args.new_tokens,
                                                args.repeats, "cuda" if gpu else "cpu")

@@ -17,8 +17,11 @@ sure replay is active (a task the model partly solves, and `algo.delayed_start` 
 the JSON reports how many replayed questions each variant had per step.
 
 With `--schedulers=static,continuous` every variant runs under each rollout scheduler
-(`rollout.scheduler`; it needs `rollout.max_rows` below the rows a step rolls out), and
-the JSON adds `<variant>/continuous_over_static`, the ratio of median step times:
+(`rollout.scheduler`), and the JSON adds `<variant>/continuous_over_static`, the ratio of
+median step times. The comparison needs rows waiting for slots, so `rollout.max_rows`
+must be below the rows a step rolls out; a config that leaves it at 0 (every row in one
+call, where both schedulers run the static loop) gets a quarter of a step's rows, said
+on stderr and recorded in the JSON:
 
   python scripts/bench_train.py --config=configs/smollm2_study.py --variants=exgrpo \
       --schedulers=static,continuous --config.rollout.max_rows=4
@@ -40,6 +43,7 @@ import numpy as np
 # The config files import `configs.common` from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax import sampling  # pylint: disable=g-import-not-at-top
 from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
@@ -72,9 +76,22 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax's INFO lines would bury the progress
   if _STEPS.value < 1 or _WARMUP.value < 0:
     raise app.UsageError("--steps must be >= 1 and --warmup >= 0")
-  if _SCHEDULERS.value and not _CONFIG.value.rollout.max_rows:
-    raise app.UsageError("--schedulers needs --config.rollout.max_rows > 0: with every row "
-                         "in one call, both schedulers run the static loop")
+  unknown = [v for v in _VARIANTS.value if v not in common.VARIANTS]
+  if unknown:
+    raise app.UsageError(f"--variants: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(common.VARIANTS)}")
+  unknown = [s for s in _SCHEDULERS.value if s not in sampling.SCHEDULERS]
+  if unknown:
+    raise app.UsageError(f"--schedulers: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(sampling.SCHEDULERS)}")
+  max_rows = _CONFIG.value.rollout.max_rows
+  if _SCHEDULERS.value and not max_rows:
+    rows = _CONFIG.value.train.batch_questions * _CONFIG.value.rollout.k
+    max_rows = max(rows // 4, 1)
+    print(f"[bench_train] --schedulers: rollout.max_rows=0 rolls every row out in one call, "
+          f"where both schedulers run the static loop; using max_rows={max_rows}, a quarter "
+          f"of the {rows} rows a step rolls out (set --config.rollout.max_rows to choose)",
+          file=sys.stderr, flush=True)
   total = _WARMUP.value + _STEPS.value
   runs = [(v, s) for v in _VARIANTS.value for s in _SCHEDULERS.value or [None]]
   name = lambda variant, scheduler: variant if scheduler is None else f"{variant}/{scheduler}"
@@ -84,6 +101,7 @@ def main(argv):
       config = common.apply_variant(copy.deepcopy(_CONFIG.value), variant)
       if scheduler is not None:
         config.rollout.scheduler = scheduler
+        config.rollout.max_rows = max_rows
       config.train.steps = total
       config.train.checkpoint_every = total + 1
       config.eval.every = 0
@@ -105,7 +123,7 @@ def main(argv):
             "train_path": _CONFIG.value.data.train_path,
             "batch_questions": _CONFIG.value.train.batch_questions,
             "k": _CONFIG.value.rollout.k, "max_new_tokens": _CONFIG.value.rollout.max_new_tokens,
-            "max_rows": _CONFIG.value.rollout.max_rows,
+            "max_rows": max_rows,
             "warmup_steps": _WARMUP.value, "measured_steps": _STEPS.value,
             "timing": "median seconds per step after warm-up (compile excluded)"}
   for run, metrics in rows.items():

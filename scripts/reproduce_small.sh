@@ -4,6 +4,8 @@
 #
 #   bash scripts/reproduce_small.sh                 # all 16 runs (about 2 h on 2 CPU cores)
 #   SEEDS="1" ABLATION_SEEDS="1" bash scripts/reproduce_small.sh   # one seed per method
+#   FLAGS="--config.train.steps=2 --config.eval.limit=4" SEEDS=1 ABLATION_SEEDS=1 \
+#     OUT=/tmp/study bash scripts/reproduce_small.sh      # a smoke run of the whole pipeline
 #
 # Interrupt it at any time and run it again: finished runs are skipped (their workdir
 # holds the final checkpoint) and an unfinished one resumes from its latest checkpoint.
@@ -17,6 +19,7 @@ PYTHON=${PYTHON:-python}
 OUT=${OUT:-runs/study}
 SEEDS=${SEEDS:-"1 2 3 4 5"}
 ABLATION_SEEDS=${ABLATION_SEEDS:-"1 2 3"}
+read -r -a EXTRA_FLAGS <<< "${FLAGS:-}"  # added to every training run
 CONFIG=configs/smollm2_study.py
 mkdir -p "$OUT"
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
@@ -24,7 +27,7 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 run() {  # run METHOD SEED [FLAGS...]
   echo "=== $1 seed $2 ==="
   "$PYTHON" -m exgrpo_jax.train --config="$CONFIG:$1" --config.train.seed="$2" \
-    --workdir="$OUT/$1_s$2" "${@:3}"
+    --workdir="$OUT/$1_s$2" "${@:3}" ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"}
 }
 
 for seed in $SEEDS; do

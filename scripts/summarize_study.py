@@ -127,7 +127,10 @@ def summarize(study: str) -> dict:
         # Fresh rollouts only: a replayed question's stored member is correct by design.
         "solved_step1": float(np.mean([next(x["batch/fresh_solved"] for x in r
                                             if x["step"] == 1) for r in seeds.values()])),
-        "solved_last3": float(np.mean([np.mean([x["batch/fresh_solved"] for x in r[-3:]])
+        # The last 3 training steps (a run shorter than 3 steps has a step-0 evaluation
+        # row among its last 3 rows).
+        "solved_last3": float(np.mean([np.mean([x["batch/fresh_solved"] for x in r
+                                                if x["step"] > 0][-3:])
                                        for r in seeds.values()])),
         "final_entropy": float(np.mean([r.get("actor/entropy", np.nan) for r in final])),
         "final_length": float(np.mean([r["response_length/mean"] for r in final])),

@@ -75,7 +75,8 @@ def main(argv=None) -> None:
     cfg = models.from_hf_config(hf, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
                                 remat=c.model.remat)
     tensor = c.mesh.shape[1]
-    learner = memory_plan.plan(cfg, c, args.gpus, tensor, args.device_gib)["gib_per_device"]
+    learner = memory_plan.plan(cfg, c, args.gpus, tensor, args.device_gib,
+                               gpu=True)["gib_per_device"]
     resident = learner["params"] + learner["adamw"]
     report[name] = dict(
         config=f"configs/{config_name}.py", mesh=[args.gpus // tensor, tensor],

@@ -62,7 +62,7 @@ def test_train_cli_rejects_unknown_key(tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("k", [4, 8, 16])
 def test_bucket_probs_follow_spec_with_sigma_one_over_k(name, k):
-  """SPEC step 2: weight exp(-(k - K/2)^2 / 2) over buckets 1..K-1 (sigma = 1/K)."""
+  """docs/algorithm.md §4: weight exp(-(k - K/2)^2 / 2) over buckets 1..K-1 (sigma = 1/K)."""
   from exgrpo_jax.replay import buckets  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.replay import buffer  # pylint: disable=g-import-not-at-top
   c = importlib.import_module(f"configs.{name}").get_config()

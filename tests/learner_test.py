@@ -1,8 +1,8 @@
-"""The learner's optimizer step computes SPEC section 2, step 8 over the whole mini-batch.
+"""The learner's optimizer step computes docs/algorithm.md §11-§12 over the whole mini-batch.
 
 The gradient (and the logged losses) of one step must not depend on how the mini-batch
 is split into micro-batches; the reference is the objective written out directly: each
-response run alone through the model with full logits, its per-token SPEC loss, the
+response run alone through the model with full logits, its per-token loss (§11), the
 aggregation over the whole mini-batch and the entropy bonus's mean over all its tokens.
 """
 
@@ -63,7 +63,8 @@ def _gradients(params, batch, algo):
 
 
 def _reference(aggregation):
-  """(objective, (pg_loss, entropy)) of SPEC step 8 over the mini-batch, and its gradient.
+  """(objective, (pg_loss, entropy)) of docs/algorithm.md §11 over the mini-batch, and its
+  gradient.
 
   Each response sits at the start of its own row, right-padded with token 0: causal
   attention keeps the padding out of the response's logits, so no mask is needed.

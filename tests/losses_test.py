@@ -27,7 +27,7 @@ def _inputs(seed, dtype=np.float64):
 
 
 def _reference(logp, old, adv, mask, replay, use_clip, gamma, aggregation):
-  """SPEC step 8, one token at a time, in float64."""
+  """docs/algorithm.md §11, one token at a time, in float64."""
   loss = np.zeros((B, T))
   for b, t in itertools.product(range(B), range(T)):
     if not mask[b, t]:

@@ -175,7 +175,7 @@ def test_update_rejects_bad_input():
 
 
 class _ReferenceBuffer:
-  """The SPEC step 7 rules over plain lists, to check the real buffer against."""
+  """The docs/algorithm.md §10 rules over plain lists, to check the real buffer against."""
 
   def __init__(self, max_per_question, max_total):
     self.caps = max_per_question, max_total

@@ -66,6 +66,16 @@ def test_paired_difference_budget_and_unfinished_runs(tmp_path):
   assert all(os.path.getsize(p) > 0 for p in paths)
 
 
+def test_runs_shorter_than_three_steps_are_summarised(tmp_path):
+  """A smoke study (reproduce_small.sh with FLAGS=--config.train.steps=2): the on-policy
+  run's step-0 evaluation row is among its last 3 rows and holds no training metrics."""
+  for (method, seed) in GREEDY:
+    _write_run(str(tmp_path), method, seed, steps=2, last=2)
+  result = summarize_study.summarize(str(tmp_path))
+  assert result["methods"]["onpolicy"]["solved_last3"] == 0.5
+  assert "| exgrpo-onpolicy | 3 | greedy@2 |" in summarize_study.tables(result)
+
+
 def test_no_finished_run_is_one_clear_error(tmp_path):
   _write_run(str(tmp_path), "onpolicy", 1, last=1)
   with pytest.raises(SystemExit, match="no finished runs"):

@@ -1,4 +1,4 @@
-"""The phases of a training step, each on its own (SPEC section 2, steps 1, 4, 7, 8, 9).
+"""The phases of a training step, each on its own (docs/algorithm.md §3, §6, §10, §11, §13).
 
 Pure rules first (n_exp, the strict delayed-start threshold, clipping), then phases of
 a real `Trainer` on configs/tiny.py: the real JAX sampler (temperature 0.7; bfloat16),

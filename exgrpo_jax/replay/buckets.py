@@ -1,4 +1,4 @@
-"""Question buckets and bucket sampling (SPEC section 2, steps 2 and 7): pure functions.
+"""Question buckets and bucket sampling (docs/algorithm.md §4 and §10): pure functions.
 
 A buffered question sits in bucket k = its latest number of correct rollouts out of K
 (1..K-1). Arrays indexed by bucket have length K+1 (buckets 0 and K stay empty).
@@ -19,7 +19,7 @@ def bucket_probs(sizes_B: np.ndarray, *, mu: float, sigma: float,
     sizes_B: candidate questions per bucket, length K+1 (index = correct count).
     mu, sigma: Gaussian centre and width in accuracy units (k/K).
     weighting: "gaussian" (ExGRPO: weight exp(-(k - mu K)^2 / (2 (sigma K)^2))),
-      "uniform" (every non-empty bucket alike; SPEC's "no question selection" ablation)
+      "uniform" (every non-empty bucket alike; the no_qsel ablation, docs/algorithm.md §17)
       or "proportional" (weight = bucket size, i.e. uniform over questions).
   """
   sizes_B = np.asarray(sizes_B)

@@ -1,6 +1,6 @@
 """The ExGRPO experience buffer: buckets, retirement, Gaussian question sampling, checkpoints.
 
-Host-side NumPy with one seeded `np.random.Generator`; SPEC section 2, steps 2 and 7.
+Host-side NumPy with one seeded `np.random.Generator`; docs/algorithm.md §4 and §10.
 
   buf = ExperienceBuffer(config.replay, seed=0)
   buf.update(qids, rewards_QxK, trajectories, step, collect=replay_started)
@@ -25,7 +25,7 @@ class BufferConfig:
   """Keys read from the config's `replay` section (other keys there are ignored).
 
   k: rollouts per question K. mu, sigma: bucket Gaussian in accuracy units (sigma None
-  means 1/K, the reference code's one-success width; SPEC section 2, step 2). weighting: see
+  means 1/K, the official code's one-success width; docs/algorithm.md §4). weighting: see
   `buckets.bucket_probs`. max_per_question, max_total: trajectory caps, 0 = none (oldest
   evicted first). vocab_size: largest token id + 1 (None: up to 2^24, 5 bytes/token).
   correct_threshold: a response is correct when its reward is at least this.
@@ -78,7 +78,7 @@ class ExperienceBuffer:
     self._retired: set[int] = set()
     self._evicted = 0
 
-  # --- SPEC step 7 -------------------------------------------------------------------------
+  # --- updates, docs/algorithm.md §10 ------------------------------------------------------
 
   def update(self, question_ids: Sequence[int], rewards_QxK: np.ndarray,
              trajectories: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], step: int,
@@ -162,7 +162,7 @@ class ExperienceBuffer:
       self._set_bucket(q, None)
     return summary
 
-  # --- SPEC step 2 -------------------------------------------------------------------------
+  # --- sampling, docs/algorithm.md §4 ------------------------------------------------------
 
   def sample_questions(self, n: int) -> np.ndarray:
     """Draws min(n, num_candidates) distinct candidate questions, in random order.

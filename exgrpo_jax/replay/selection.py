@@ -1,4 +1,4 @@
-"""Which stored trajectory of a sampled question to replay (SPEC section 2, step 3).
+"""Which stored trajectory of a sampled question to replay (docs/algorithm.md §5).
 
 Pure functions over per-token entropies of a question's N candidates under the current
 policy (full-vocabulary entropy at temperature 1, from `logprobs.sequence_logprobs`):

@@ -2,7 +2,7 @@
 
 A reward function takes (solution text, ground truth) and returns 1.0 / 0.0, or None
 when no answer could be extracted (scored 0 and counted as `no_answer`). `grade` adds
-the think gate of SPEC section 4: for prompts that end with "<think>", a response
+the think gate (docs/algorithm.md §8): for prompts that end with "<think>", a response
 without "</think>" scores 0 (`format`) and only the text after the first "</think>" is
 checked (the reference's `response.split("</think>")[1]`).
 

@@ -18,7 +18,7 @@ from exgrpo_jax.training import padding
 
 
 class Actor:
-  """Scores responses and takes the optimizer steps of a training step (SPEC step 8)."""
+  """Scores responses and takes the optimizer steps of a training step (docs/algorithm.md §12)."""
 
   def __init__(self, config, model_cfg, pad_id: int):
     self.model_cfg = model_cfg

@@ -1,6 +1,6 @@
 """Replay-side steps of a training step: choose replayed questions and trajectories.
 
-SPEC section 2, steps 2-3 (n_exp itself is `phase.num_replayed`): for each question
+docs/algorithm.md §4-§5 (n_exp itself is `phase.num_replayed`, §3): for each question
 sampled from the buffer (Gaussian over buckets), every stored correct trajectory is
 scored under the CURRENT policy (mean full-vocabulary entropy over its tokens, EOS
 included, temperature 1), and the configured rule picks one. A question with a single

@@ -1,4 +1,4 @@
-"""Rewards of a run: grading training groups (SPEC section 2, step 5) and validation.
+"""Rewards of a run: grading training groups (docs/algorithm.md §8) and validation (§14).
 
   grader = Grader(config)
   stats = grader.grade(groups)              # sets every group's rewards [K]

@@ -9,7 +9,7 @@ sequence gets a row of its own (the padded layout). Sequences are placed first-f
 decreasing length; P is bucketed (`padding.prompt_bucket`) and R is fixed, so the
 learner compiles once per prompt bucket.
 
-A mini-batch's objective (SPEC section 2, step 8) is a weighted sum over its response
+A mini-batch's objective (docs/algorithm.md §11) is a weighted sum over its response
 tokens: the policy loss's aggregation and the entropy bonus's token mean both have
 denominators that belong to the whole mini-batch, not to the micro-batch a token lands
 in. `token_weights` gives each token its weight in that sum, so micro-batch losses add

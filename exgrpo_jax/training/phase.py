@@ -1,4 +1,4 @@
-"""The run's two phases and the switches that follow them (SPEC section 2, steps 1, 8, 9).
+"""The run's two phases and the switches that follow them (docs/algorithm.md §3, §11, §13).
 
 Before the delayed start every question is fresh, fresh tokens take the clipped ratio
 and the buffer only retires solved questions; once a step's batch accuracy exceeds

