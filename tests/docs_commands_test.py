@@ -39,9 +39,6 @@ _PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|\.venv/b
 NETWORK = "downloads (network)"
 INSTALL = "installs packages (network); this test runs in an installed environment"
 GPU_MACHINE = "runs on the workplace's GPU machine (BUILD.md, 'Accelerator check')"
-ARITHMETIC_EVAL_BRANCH = ("eval's default --max-new-tokens (8192) leaves no room for a "
-                          "prompt: fixed on the branch that owns exgrpo_jax/eval.py (issue "
-                          "29, item 2); passes once that is merged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +49,6 @@ class Command:
   skip: str = ""
   covered: str = ""
   slow: bool = False
-  xfail: str = ""
 
 
 _TRAIN_SHORT = ("--config.train.steps=1 --config.eval.limit=2 --config.rollout.max_new_tokens=8 "
@@ -84,7 +80,10 @@ COMMANDS = [
             expect=r"average"),
     Command("python -m exgrpo_jax.eval --data arithmetic --limit 10",
             run="{python} -m exgrpo_jax.eval --data arithmetic --limit 10",
-            expect=r"arith_add", xfail=ARITHMETIC_EVAL_BRANCH),
+            expect=r"arith_add"),
+    Command("python -m exgrpo_jax.eval --data arithmetic --reward-module my_rewards --reward "
+            "last_int", covered="tests/plugins_test.py::"
+            "test_eval_with_the_doc_plugin_reward_and_its_defaults"),
     Command("python -m exgrpo_jax.convert --src PATH --dst HF_DIR [--dtype bfloat16]",
             run="{python} -m exgrpo_jax.convert --src {workdir} --dst {tmp}/hf --dtype bfloat16",
             expect=r"wrote .*parameters"),
@@ -175,6 +174,14 @@ COMMANDS = [
     # docs/reliability.md
     Command("python scripts/fault_table.py --slow",
             run="{python} scripts/fault_table.py", expect=r"\| kind \| case \|", slow=True),
+    # docs/rewards.md
+    Command("python -m exgrpo_jax.eval --data arithmetic --limit 10 --reward-module my_rewards "
+            "--reward last_int", covered="tests/plugins_test.py::"
+            "test_eval_with_the_doc_plugin_reward_and_its_defaults"),
+    Command("python -m exgrpo_jax.train --config=configs/smollm2_135m.py --workdir=runs/last_int "
+            "--config.reward.plugins=my_rewards --config.reward.name=last_int",
+            covered="tests/plugins_test.py::"
+            "test_training_grades_with_the_doc_plugin_in_worker_processes"),
     # docs/results.md
     Command("python scripts/summarize_study.py --study runs/study --plots docs/results",
             run="{python} scripts/summarize_study.py --study {study} --plots {tmp}/plots",
@@ -291,8 +298,7 @@ def _params(kind: str):
   out = []
   for c in COMMANDS:
     if kind == "run" and c.run:
-      marks = ([pytest.mark.slow] if c.slow else []) + (
-          [pytest.mark.xfail(reason=c.xfail, strict=False)] if c.xfail else [])
+      marks = [pytest.mark.slow] if c.slow else []
       out.append(pytest.param(c, marks=marks, id=c.shown[:60]))
     elif kind == "other" and not c.run:
       out.append(pytest.param(c, id=c.shown[:60]))
