@@ -2,7 +2,7 @@ r"""Compiles every program of a config's training step for a TPU slice or GPU no
 
   python -m exgrpo_jax.aot --config=configs/qwen7b.py --target=v5p-8 \
       [--config.mesh.shape='(2, 2)' --config.rollout.max_rows=384 ...] [--layers=2] \
-      [--out=aot.json]
+      [--parts=learner] [--out=aot.json]
 
 Run it in an environment with the target's compiler (`bash scripts/aot_env.sh tpu` or
 `gpu`; BUILD.md, "Ahead-of-time check"). It prints one row per program (compile time,
@@ -31,6 +31,8 @@ _SLICES = flags.DEFINE_integer("slices", 1, "TPU slices (multi-slice).", lower_b
 _TARGET_CONFIG = flags.DEFINE_string(
     "target_config", None, "GPU: a GpuTargetConfigProto text file captured on the GPU "
     "(default: the spec the installed CUDA plugin carries).")
+_PARTS = flags.DEFINE_multi_enum("parts", ["learner", "rollout"], ["learner", "rollout"],
+                                 "Compile the learner's programs, the rollout's, or both.")
 _OUT = flags.DEFINE_string("out", None, "Write the JSON report here.")
 _DEBUG = flags.DEFINE_bool("debug", False, "Show an error's traceback instead of one line.")
 flags.mark_flags_as_required(["config", "target"])
@@ -81,6 +83,7 @@ def main(argv):
         target_config = f.read()
     report = check_lib.run(_CONFIG.value, _TARGET.value, layers=_LAYERS.value,
                            target_config=target_config, slices=_SLICES.value,
+                           parts=tuple(_PARTS.value),
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(table(report), flush=True)
     if _OUT.value:
