@@ -129,7 +129,9 @@ def base_config() -> ml_collections.ConfigDict:
       sigma=1.0 / c.rollout.get_ref("k").to_float(),
       weighting="gaussian",   # gaussian | uniform | proportional
       # correct_count: bucket = correct rollouts out of K; reward_std: the continuous-
-      # reward variant (per-question reward std, min-max normalised per batch, K levels).
+      # reward variant: round(K x per-question reward std, min-max normalised per batch),
+      # clipped into the stored buckets 1..K-1, so the batch's highest-variance question
+      # is stored too; equal rewards (std 0) are not stored (replay/buckets.py).
       bucketing="correct_count",
       max_per_question=0,
       max_total=0,
