@@ -44,7 +44,7 @@ def _refused(proc, line: str) -> None:
     (["--config=configs/tiny.py:nope"], "--config=configs/tiny.py:nope: unknown variant "
      "'nope'; choose from exgrpo, onpolicy, no_qsel, no_tsel, high_ent, no_shaping, no_is, "
      "rho25, rho75"),
-])
+], ids=["unknown_flag", "bad_value", "positional", "missing_config", "unknown_variant"])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, line):
   _refused(_train(f"--workdir={tmp_path}", *args), line)
   assert not os.listdir(tmp_path)
@@ -62,7 +62,7 @@ def test_help_exits_0():
                                "--config.algo.rho?"),
     ("--config.train.batch_question=8", "--config.train.batch_question: no such config key; "
                                         "did you mean --config.train.batch_questions?"),
-])
+], ids=["key", "section", "plural"])
 def test_config_key_typo_names_the_closest_key(tmp_path, flag, line):
   _refused(_train(f"--workdir={tmp_path}", flag), line)
 
@@ -76,7 +76,7 @@ def test_config_key_typo_names_the_closest_key(tmp_path, flag, line):
      "config.eval.path='/data/valid.parquet': is read only with eval.source='file', and "
      "this config's source is 'arithmetic'; add --config.eval.source=file, or drop the "
      "path"),
-])
+], ids=["train_path", "eval_path"])
 def test_data_path_without_a_file_source_is_refused(tmp_path, flag, line):
   """configs/smollm2_135m.py trains and evaluates on generated arithmetic: a data path
   alone would be ignored."""
@@ -113,7 +113,7 @@ def _listing(workdir):
     ("--config.model.arch.hidden_size=128",
      "config.model.arch.hidden_size=128: the checkpoint being resumed was trained with 64; "
      "resume with that value or start a new workdir"),
-])
+], ids=["seed", "model_shape"])
 def test_resume_that_changes_what_the_checkpoint_fixes_is_refused(trained, flag, line):
   before = _listing(trained)
   _refused(_train(f"--workdir={trained}", "--config.train.steps=2", flag), line)

@@ -45,6 +45,9 @@ class Notices:
       self.say(f"{when}: compiling {what}{self._cache}")
 
   def evaluating(self, step: int, num_problems: int, samples: int) -> None:
+    """An evaluation of `num_problems` (none: nothing to say) is about to start."""
+    if not num_problems:
+      return
     self.compiling(f"step {step}", "the sampler's programs")
     per = f", {samples} samples each" if samples > 1 else ""
     self.say(f"step {step}: evaluating on {num_problems} problems{per}")

@@ -266,9 +266,8 @@ class Trainer:
 
   def _evaluate(self) -> dict:
     """val/* metrics; a few graded completions go to the run log."""
-    num_problems = len(self.grader.eval_questions())
-    if num_problems:
-      self.notices.evaluating(self.state.step, num_problems, self.config.eval.n)
+    self.notices.evaluating(self.state.step, len(self.grader.eval_questions()),
+                            self.config.eval.n)
     metrics = self.grader.validate(self.engine, self.state.params, self.state.tokenizer)
     self.log.eval_samples(self.state.step, self.grader.eval_responses)
     return metrics
