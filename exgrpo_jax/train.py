@@ -28,6 +28,7 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
 from ml_collections import config_flags
 
 from exgrpo_jax import cli
@@ -83,8 +84,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
   with a usage hint; a config key typo or a broken config file is a traceback)."""
   try:
     rest = flags.FLAGS(argv)
-    # A config file that failed to load is reported when the config is first read.
-    problem = None if hasattr(_CONFIG.value, "to_dict") else _config_problem(argv)
+    # A config file that failed to load (and no override touched it) is only a
+    # placeholder that raises when read.
+    problem = (None if isinstance(_CONFIG.value, ml_collections.ConfigDict)
+               else _config_problem(argv))
     if len(rest) > 1:
       problem = f"unexpected arguments: {' '.join(rest[1:])}"
   except SystemExit:  # --help and its kin print the usage, then absl exits 1
