@@ -64,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       dir="",
       source="file",          # file (train_path) | arithmetic (generated, no files) | reasoning_gym
-      train_path="",
+      train_path="",          # refused with another source (it would be ignored); so is eval.path
       template="chat",        # chat | exgrpo_think | plain
       max_prompt_tokens=1024,
       limit=0,                # use only the first N training rows (0 = all)
