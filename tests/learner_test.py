@@ -100,7 +100,7 @@ def _per_token(params):
 
 
 def _pg_terms(logp_K, adv, old, replay):
-  """Per-token SPEC step 8 losses (clipped fresh, shaped replayed), ratios, clip taken."""
+  """Per-token policy losses (clipped fresh, shaped replayed), ratios, clip taken."""
   ratio_K = jnp.exp(logp_K - old)
   shaped_K = -adv * ratio_K / (ratio_K + GAMMA)
   unclipped_K, clipped_K = -adv * ratio_K, -adv * jnp.clip(ratio_K, 1 - EPS, 1 + EPS)
