@@ -7,6 +7,11 @@ and `algo.norm_len` is `rollout.max_new_tokens`; overriding a derived value deta
 it from its source (the source keeps its value).
 
 Variants (`:arg`), the paper's Table 6 ablations, are the overrides in `VARIANTS`.
+
+Resuming a workdir with other values: K, the model, the data and `train.seed` are
+refused; run length, logging, checkpoints, evaluation, mesh and engine settings change
+freely; any other change (algorithm, replay, optimizer, sampling, reward) is taken with
+a warning line per key (exgrpo_jax/training/resume_check.py).
 """
 
 import dataclasses
@@ -59,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       dir="",
       source="file",          # file (train_path) | arithmetic (generated, no files) | reasoning_gym
-      train_path="",
+      train_path="",          # refused with another source (it would be ignored); so is eval.path
       template="chat",        # chat | exgrpo_think | plain
       max_prompt_tokens=1024,
       limit=0,                # use only the first N training rows (0 = all)
@@ -129,7 +134,9 @@ def base_config() -> ml_collections.ConfigDict:
       sigma=1.0 / c.rollout.get_ref("k").to_float(),
       weighting="gaussian",   # gaussian | uniform | proportional
       # correct_count: bucket = correct rollouts out of K; reward_std: the continuous-
-      # reward variant (per-question reward std, min-max normalised per batch, K levels).
+      # reward variant: round(K x per-question reward std, min-max normalised per batch),
+      # clipped into the stored buckets 1..K-1, so the batch's highest-variance question
+      # is stored too; equal rewards (std 0) are not stored (replay/buckets.py).
       bucketing="correct_count",
       max_per_question=0,
       max_total=0,
@@ -160,13 +167,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(
       source="file",          # file (path) | arithmetic | reasoning_gym (held-out splits)
       path="",
-      every=10,               # 0 = never
+      every=10,               # and at the last step; 0 = no evaluation unless before_train=True
       limit=0,
       temperature=0.6,
       max_new_tokens=8192,
       n=1,                    # samples per question: val/avg_score is avg@n
       greedy=False,           # also greedy accuracy (val/greedy_score) when temperature > 0
-      before_train=False,     # also evaluate at step 0
+      # Step 0: None = when every > 0; True = also with every = 0 (how to ask for a
+      # step-0 evaluation alone); False = never.
+      before_train=ml_collections.config_dict.placeholder(bool),
       samples=4,              # completions logged per evaluation (eval_samples.jsonl)
   ))
 
@@ -222,6 +231,7 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
   c.data.template = template
   c.eval.path = "exgrpo_valid.parquet"
+  c.eval.before_train = False  # every 10 steps from step 10 (2,259 problems each)
   c.train.steps = steps
   c.algo.delayed_start = delayed_start
   c.mesh.shape = mesh_shape

@@ -103,14 +103,18 @@ class CheckpointStore:
     for old in sorted(self._manager.all_steps())[:-self.keep]:
       self._manager.delete(old)
 
-  def restore(self, step: int, abstract_params, abstract_opt):
+  def restore(self, step: int, abstract_params, abstract_opt, check_meta=None):
     """Returns (params, opt, host, meta); params/opt follow the abstract trees' shardings.
 
-    Raises CheckpointError naming what is wrong if the step is damaged.
+    Raises CheckpointError naming what is wrong if the step is damaged. `check_meta`
+    sees the step's meta before any array is read and may refuse it (its exception
+    propagates: a config that does not fit the checkpoint is no damage).
     """
     reason = integrity.damage(self.step_dir(step), ITEMS)
     if reason:
       raise CheckpointError(reason)
+    if check_meta is not None:
+      check_meta(_read_meta(self.step_dir(step)))
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(abstract_params),
@@ -126,14 +130,15 @@ class CheckpointStore:
       host[k] = np.zeros(shape, np.dtype(dtype))
     return restored.params, restored.opt, host, restored.meta
 
-  def restore_newest_intact(self, abstract_params, abstract_opt):
+  def restore_newest_intact(self, abstract_params, abstract_opt, check_meta=None):
     """(step, (params, opt, host, meta)) of the newest intact checkpoint, or None if there
     is none at all. Damaged newer steps are reported and moved aside; if every step is
-    damaged nothing is moved and CheckpointError says so."""
+    damaged nothing is moved and CheckpointError says so. An exception from `check_meta`
+    (see `restore`) propagates before anything is moved."""
     damaged = []
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
-        restored = self.restore(step, abstract_params, abstract_opt)
+        restored = self.restore(step, abstract_params, abstract_opt, check_meta)
       except CheckpointError as e:
         damaged.append((step, str(e)))
         continue
@@ -198,12 +203,20 @@ def is_training_checkpoint(path: str) -> bool:
   return os.path.isdir(path) and latest_step_dir(path) is not None
 
 
+def _read_meta(step_dir: str) -> dict:
+  """The `meta` item's JSON, read directly (the step is checked by its manifest first)."""
+  try:
+    with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"unreadable meta ({e})") from e
+
+
 def _load_params(step_dir: str):
   reason = integrity.damage(step_dir, ITEMS)
   if reason:
     raise CheckpointError(reason)
-  with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
-    meta = json.load(f)
+  meta = _read_meta(step_dir)
   checkpointer = ocp.StandardCheckpointer()
   params_dir = os.path.join(step_dir, "params")
   # Read onto this host's CPU whatever mesh wrote it (e.g. 8 GPUs or several hosts).

@@ -9,7 +9,8 @@ Exit statuses (README, "Exit statuses"):
   1    an error: bad data, model path, checkpoint, disk, ...: one line `error: ...`
        (`exgrpo_jax.train: ...` for training) on stderr; `--debug` re-raises it with
        its traceback
-  2    bad arguments (argparse / absl flags)
+  2    bad arguments: argparse / absl flags, and `UsageError`s (the trainer's config
+       keys and values, e.g. `--config.algo.rho=2.0`, one line naming the key)
   75   preempted: SIGTERM or Ctrl-C stopped a training run after checkpointing its last
        complete step; rerunning the same command resumes (EX_TEMPFAIL of sysexits.h)
   130  interrupted during start-up or a second Ctrl-C (nothing new was checkpointed)
@@ -25,6 +26,10 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+  """A bad argument found after parsing (a config key or value): exit status 2."""
 
 
 def one_line(e: BaseException) -> str:
@@ -61,7 +66,8 @@ def _one_line_hook(kind, value, tb) -> None:
 
 
 def guarded(run: Callable[[], int | None], debug: bool = False, prefix: str = "error") -> int:
-  """Runs `run`; any exception becomes one `{prefix}: ...` line and exit status 1."""
+  """Runs `run`; any exception becomes one `{prefix}: ...` line and exit status 1 (2 for
+  a UsageError)."""
   if not debug:  # for the whole process: late library output comes after `run` returns
     logging.getLogger("absl").addFilter(_DROP_LIBRARY_ERRORS)
     sys.excepthook = _one_line_hook
@@ -75,7 +81,8 @@ def guarded(run: Callable[[], int | None], debug: bool = False, prefix: str = "e
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       raise
-    return error(one_line(e), prefix)
+    error(one_line(e), prefix)
+    return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:

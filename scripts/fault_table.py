@@ -83,6 +83,55 @@ CASES = {
     "test_sigkill_during_an_export_keeps_the_previous_and_a_rerun_completes": (
         FAULT, "SIGKILL during an export; previous kept, rerun completes"),
     "test_full_workdir_is_one_line": (FAULT, "trainer on a full workdir (tmpfs); one line"),
+    # python -m exgrpo_jax.train (tests/fault_train_cli_test.py): the flag or config
+    # given; the exit status and the one line the user sees.
+    "test_bad_flags_exit_2_with_one_line[unknown_flag]": (
+        INPUT, "`--bogus_flag=1`; exit 2: `Unknown command line flag 'bogus_flag'`"),
+    "test_bad_flags_exit_2_with_one_line[bad_value]": (
+        INPUT, "`--config.train.steps=abc`; exit 2: `flag --config.train.steps=abc: invalid "
+               "literal for int() with base 10: 'abc'`"),
+    "test_bad_flags_exit_2_with_one_line[positional]": (
+        INPUT, "a positional argument; exit 2: `unexpected arguments: extra`"),
+    "test_bad_flags_exit_2_with_one_line[missing_config]": (
+        INPUT, "`--config=configs/nope.py`; exit 2: `--config=configs/nope.py: no such file`"),
+    "test_bad_flags_exit_2_with_one_line[unknown_variant]": (
+        INPUT, "`--config=configs/tiny.py:nope`; exit 2: `--config=configs/tiny.py:nope: "
+               "unknown variant 'nope'; choose from exgrpo, ...`"),
+    "test_help_exits_0": (INPUT, "`--helpshort`; the usage, exit 0 (was 1)"),
+    "test_config_key_typo_names_the_closest_key[key]": (
+        INPUT, "`--config.algo.rhoo=0.3`; exit 2: `--config.algo.rhoo: no such config key; "
+               "did you mean --config.algo.rho?`"),
+    "test_config_key_typo_names_the_closest_key[section]": (
+        INPUT, "`--config.algoo.rho=0.3`; exit 2: `--config.algoo.rho: no such config key; "
+               "did you mean --config.algo.rho?`"),
+    "test_config_key_typo_names_the_closest_key[plural]": (
+        INPUT, "`--config.train.batch_question=8`; exit 2: `... did you mean "
+               "--config.train.batch_questions?`"),
+    "test_data_path_without_a_file_source_is_refused[train_path]": (
+        INPUT, "smollm2_135m `--config.data.train_path=/data/mine.parquet`; exit 2: "
+               "`config.data.train_path='/data/mine.parquet': is read only with "
+               "data.source='file', and this config's source is 'arithmetic'; add "
+               "--config.data.source=file, or drop the path`"),
+    "test_data_path_without_a_file_source_is_refused[eval_path]": (
+        INPUT, "smollm2_135m `--config.eval.path=/data/valid.parquet`; exit 2: the same line "
+               "for eval.path / eval.source"),
+    "test_batch_larger_than_the_data_is_refused": (
+        INPUT, "tiny `--config.train.batch_questions=1000`; exit 2: "
+               "`config.train.batch_questions=1000: more than the 64 training questions of "
+               "arithmetic:train (a batch never holds a question twice); lower it, or raise "
+               "data.limit`"),
+    "test_resume_that_changes_what_the_checkpoint_fixes_is_refused[seed]": (
+        INPUT, "resume with `--config.train.seed=1`; exit 2: `config.train.seed=1: the "
+               "checkpoint being resumed was trained with 0; resume with that value or start "
+               "a new workdir`; nothing moved"),
+    "test_resume_that_changes_what_the_checkpoint_fixes_is_refused[model_shape]": (
+        INPUT, "resume with `--config.model.arch.hidden_size=128`; exit 2: "
+               "`config.model.arch.hidden_size=128: the checkpoint being resumed was trained "
+               "with 64; ...`; nothing moved"),
+    "test_resume_that_changes_the_algorithm_warns_per_key": (
+        INPUT, "resume with `--config.algo.rho=0.25 --config.optim.lr=0.0003`; runs, with "
+               "`[exgrpo_jax] warning: config.algo.rho=0.25 differs from the checkpoint's 0.5 "
+               "at step 2; the resumed run uses the new value` (and one for lr)"),
 }
 
 
@@ -102,7 +151,7 @@ def main() -> None:
     for case in cases:
       name = case.get("name")
       base = name.split("[")[0]
-      kind, what = CASES.get(base, ("unclassified", base))
+      kind, what = CASES.get(name) or CASES.get(base, ("unclassified", base))
       outcome = ("skipped" if case.find("skipped") is not None else
                  "failed" if case.find("failure") is not None or case.find("error") is not None
                  else "passed")

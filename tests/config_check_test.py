@@ -1,5 +1,6 @@
 """Start-up config validation: shipped configs pass; each kind of mistake is one clear line."""
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -8,7 +9,10 @@ import sys
 import pytest
 
 from configs import common
+from exgrpo_jax import cli
+from exgrpo_jax import models
 from exgrpo_jax.training import config_check
+from exgrpo_jax.training import resume_check
 from tests import configs_test
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +75,20 @@ def test_bad_value_is_one_clear_error(key, value, message):
     config_check.check(c)
 
 
+@pytest.mark.parametrize("key, source_key", [("data.train_path", "data.source"),
+                                             ("eval.path", "eval.source")])
+def test_data_path_without_a_file_source_is_one_clear_error(key, source_key):
+  c = _config("smollm2_135m")
+  section, name = key.split(".")
+  c[section][name] = QUESTIONS
+  with pytest.raises(config_check.ConfigError,
+                     match=rf"config.{key}='.*questions.jsonl': is read only with "
+                           rf"{source_key}='file', and this config's source is 'arithmetic'"):
+    config_check.check(c)
+  c[source_key.split(".")[0]][source_key.split(".")[1]] = "file"
+  config_check.check(c)
+
+
 def test_missing_data_file_is_one_clear_error():
   c = _config()
   c.data.source, c.data.train_path = "file", "/nonexistent.parquet"
@@ -114,6 +132,7 @@ def test_rollout_log_probs_need_temperature_one():
     ("rollout.k", 8, "4"),
     ("model.arch.hidden_size", 128, "64"),
     ("data.limit", 32, "64"),
+    ("train.seed", 1, "0"),
 ])
 def test_resume_refuses_what_the_checkpoint_cannot_follow(key, value, reason):
   saved = _config().to_dict()
@@ -126,10 +145,51 @@ def test_resume_refuses_what_the_checkpoint_cannot_follow(key, value, reason):
   with pytest.raises(config_check.ConfigError,
                      match=rf"config.{key}={value}: the checkpoint being resumed was "
                            rf"trained with {reason};"):
-    config_check.check_resume(saved, c)
+    resume_check.check(saved, c)
+
+
+def test_resume_warns_per_changed_algorithm_key_and_not_for_free_ones():
+  saved = _config().to_dict()
   c = _config()
-  c.replay.sigma, c.optim.lr = 0.5, 3e-4  # everything else is honoured
-  config_check.check_resume(saved, c)
+  c.replay.sigma, c.optim.lr, c.algo.rho = 0.5, 3e-4, 0.25
+  c.train.steps, c.eval.every, c.optim.micro_batch_size = 10, 5, 2  # free
+  assert resume_check.check(saved, c, step=4) == [
+      f"config.{key}={new} differs from the checkpoint's {old} at step 4; the resumed run "
+      "uses the new value" for key, new, old in (
+          ("algo.rho", 0.25, 0.5), ("optim.lr", 0.0003, 0.0001), ("replay.sigma", 0.5, 0.25))]
+
+
+def test_resume_refuses_another_model_under_the_same_key():
+  """The file at model.path replaced by another model: the config keys are unchanged."""
+  cfg = models.ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+  saved = dataclasses.asdict(dataclasses.replace(cfg, num_layers=3, dtype="bfloat16"))
+  c = _config("smollm2_135m")
+  c.model.path = "/models/mine"
+  resume_check.check_model(dataclasses.asdict(dataclasses.replace(cfg, dtype="bfloat16")),
+                           cfg, c)  # the compute dtype follows the run's config
+  with pytest.raises(config_check.ConfigError,
+                     match=r"config.model.path='/models/mine': the model differs from the one "
+                           r"the checkpoint being resumed was trained with \(num_layers 3 -> 2\)"):
+    resume_check.check_model(saved, cfg, c)
+
+
+@pytest.mark.parametrize("key, message", [
+    ("algo.rhoo", "--config.algo.rhoo: no such config key; did you mean --config.algo.rho?"),
+    ("rho", "--config.rho: no such config key; did you mean --config.algo.rho?"),
+    ("algo.rho.x", "--config.algo.rho.x: no such config key; did you mean --config.algo.rho?"),
+    ("zzz.qqq", "--config.zzz.qqq: no such config key"),
+])
+def test_unknown_key_names_the_closest_valid_one(key, message):
+  assert config_check.unknown_key(_config(), key) == message
+  assert config_check.unknown_key(_config(), "rollout.vllm.sleep_level") is None
+
+
+def test_eval_before_train_is_none_true_or_false():
+  c = _config("smollm2_135m")
+  assert c.eval.before_train is None and c.eval.every == 8
+  c.eval.before_train = True
+  config_check.check(c)
 
 
 @pytest.mark.parametrize("flag, line", [
@@ -142,7 +202,7 @@ def test_train_cli_prints_one_line_and_fails(tmp_path, flag, line):
       [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
        f"--workdir={tmp_path}", flag],
       capture_output=True, text=True, check=False, cwd=REPO)
-  assert proc.returncode != 0
+  assert proc.returncode == cli.EXIT_USAGE
   assert proc.stderr.strip().splitlines()[-1] == f"exgrpo_jax.train: {line}"
   assert "Traceback" not in proc.stderr
   assert not os.path.exists(tmp_path / "checkpoints")

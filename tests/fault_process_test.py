@@ -120,8 +120,14 @@ def test_second_trainer_refused_damaged_checkpoint_and_lost_export(tmp_path):
   workdir = str(tmp_path / "run")
   first = _start(workdir)
   _wait_for(_has_checkpoint(workdir, 1), first, "checkpoint 1")
-  second = _start(workdir, "--config.train.seed=1")
-  out = _finish(second, 1)
+  # Stopped (alive, holding the lock) until the second has tried: a tiny run may
+  # otherwise finish before the second starts, which then resumes instead.
+  os.killpg(first.pid, signal.SIGSTOP)
+  try:
+    second = _start(workdir, "--config.train.seed=1")
+    out = _finish(second, 1)
+  finally:
+    os.killpg(first.pid, signal.SIGCONT)
   assert _last_line(out).startswith(f"exgrpo_jax.train: {os.path.abspath(workdir)} is in use "
                                     f"by pid {first.pid} on {socket.gethostname()}"), out
   _finish(first)

@@ -299,18 +299,35 @@ def test_selection_by_mean_entropy():
 
 
 def test_std_buckets_for_continuous_rewards():
-  rewards = np.array([[0.5] * 4, [0.0, 1.0, 0.0, 1.0], [0.2, 0.4, 0.2, 0.4], [1.0] * 4])
+  """round(K s~) of the batch-normalised reward std, clipped into the stored buckets
+  1..K-1; a question with equal rewards (std 0) gets 0."""
+  rewards = np.array([[0.5] * 4, [0.0, 1.0, 0.0, 1.0], [0.2, 0.4, 0.2, 0.4], [1.0] * 4,
+                      [0.2, 0.2, 0.2, 0.3], [0.0, 1.0, 1.0, 1.0]])
   std = rewards.std(axis=1)
-  expected = np.rint(4 * (std - std.min()) / (std.max() - std.min()))
-  np.testing.assert_array_equal(buckets.std_buckets(rewards), expected)
+  scaled = (std - std.min()) / (std.max() - std.min())
+  assert std.argmax() == 1 and np.rint(4 * scaled[1]) == 4  # the paper's level K
+  assert np.rint(4 * scaled[4]) == 0 and np.rint(4 * scaled[5]) == 3  # and level 0
+  assert buckets.std_buckets(rewards).tolist() == [0, 3, 1, 0, 1, 3]
   assert buckets.std_buckets(np.ones((3, 4))).tolist() == [0, 0, 0]
-  # In the buffer: the override sets the bucket (question 1's is K: left alone), and
-  # responses with reward >= correct_threshold are stored.
+  # Every std equal and non-zero (min-max undefined): all in bucket 1.
+  assert buckets.std_buckets(np.tile([0.0, 1.0, 0.0, 1.0], (3, 1))).tolist() == [1, 1, 1]
+
+
+def test_reward_std_buckets_store_the_highest_variance_question():
+  """In the buffer: every question with unequal rewards and a response at or above
+  correct_threshold is stored, the batch's highest-variance one (question 1) and its
+  lowest non-zero one (question 4) included; 4 of 4 at or above the threshold retires."""
+  rewards = np.array([[0.5] * 4, [0.0, 1.0, 0.0, 1.0], [0.2, 0.4, 0.2, 0.4], [1.0] * 4,
+                      [0.2, 0.2, 0.2, 0.3], [0.0, 1.0, 1.0, 1.0]])
   rng = np.random.default_rng(5)
   buf = replay.ExperienceBuffer(dict(k=4, correct_threshold=0.3))
-  groups = [[_traj(rng) for _ in range(4)] for _ in range(4)]
-  buf.update([0, 1, 2, 3], rewards, groups, step=0, buckets_Q=buckets.std_buckets(rewards))
+  groups = [[_traj(rng) for _ in range(4)] for _ in range(6)]
+  summary = buf.update(range(6), rewards, groups, step=0,
+                       buckets_Q=buckets.std_buckets(rewards))
   assert buf.retired == {0, 3}  # every reward >= 0.3
-  assert buf.num_candidates == 1 and buf.bucket(2) == 1 and len(buf.candidates(2)) == 2
+  assert buf.question_ids == [1, 2, 4, 5]
+  assert [buf.bucket(q) for q in (1, 2, 4, 5)] == [3, 1, 1, 3]
+  assert [len(buf.candidates(q)) for q in (1, 2, 4, 5)] == [2, 2, 1, 3]
+  assert summary["stored"] == 8
   with pytest.raises(ValueError, match="buckets_Q is float64"):
     buf.update([0], rewards[:1], groups[:1], step=1, buckets_Q=np.array([1.5]))

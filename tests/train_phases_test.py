@@ -9,9 +9,12 @@ import jax
 import numpy as np
 import pytest
 
+from configs import smollm2_135m
 from exgrpo_jax.replay import buckets
+from exgrpo_jax.training import announce
 from exgrpo_jax.training import experience
 from exgrpo_jax.training import phase
+from exgrpo_jax.training import run_log
 from exgrpo_jax.training import trainer as trainer_lib
 from tests import trainer_test
 
@@ -197,3 +200,46 @@ def test_validation_with_greedy_pass_scores_as_a_greedy_validation(tmp_path):
   finally:
     sampled.close()
     greedy.close()
+
+
+@pytest.mark.parametrize("before_train, evaluated", [(None, False), (True, True)])
+def test_eval_every_0_evaluates_only_when_asked(tmp_path, capsys, before_train, evaluated):
+  """configs/smollm2_135m.py's evaluation settings with eval.every=0: no evaluation at
+  all, unless eval.before_train=True asks for the step-0 one. A line comes before the
+  evaluation and before the first compile of the training step."""
+  settings = smollm2_135m.get_config().eval
+  trainer = _trainer(tmp_path, train__steps=1, train__export_dir="",
+                     **{f"eval__{k}": v for k, v in settings.items()})
+  trainer.config.eval.update(every=0, limit=4, max_new_tokens=8)
+  if before_train is not None:
+    trainer.config.eval.before_train = before_train
+  trainer.run()
+  rows = run_log.read_metrics(str(tmp_path))
+  assert [r["step"] for r in rows] == ([0, 1] if evaluated else [1])
+  assert not any(k.startswith("val/") for k in rows[-1])
+  err = capsys.readouterr().err
+  assert ("[exgrpo_jax] step 0: evaluating on 4 problems" in err) == evaluated
+  assert err.count("[exgrpo_jax] step 1: compiling the rollout, scoring and train-step "
+                   "programs") == 1
+
+
+@pytest.mark.parametrize("cache, note", [
+    (None, "compiling X (compile cache off: every run compiles them)"),
+    ("empty", "compiling X (first run; cached for the next in {dir})"),
+    ("full", "compiling X, or loading them from the compile cache {dir} (an earlier run's)"),
+])
+def test_compile_notice_follows_the_cache_as_the_run_found_it(tmp_path, capsys, cache, note):
+  directory = str(tmp_path) if cache else None
+  if cache == "full":
+    (tmp_path / "jit_step-abc").write_bytes(b"compiled")
+  previous = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", directory)
+  try:
+    notices = announce.Notices()
+  finally:
+    jax.config.update("jax_compilation_cache_dir", previous)
+  (tmp_path / "later").write_bytes(b"")  # what the run compiles does not change the note
+  notices.compiling("step 1", "X")
+  notices.compiling("step 2", "X")  # once per kind of program
+  assert capsys.readouterr().err.splitlines() == [
+      "[exgrpo_jax] step 1: " + note.format(dir=directory)]

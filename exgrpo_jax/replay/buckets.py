@@ -1,7 +1,8 @@
 """Question buckets and bucket sampling (docs/algorithm.md §4 and §10): pure functions.
 
 A buffered question sits in bucket k = its latest number of correct rollouts out of K
-(1..K-1). Arrays indexed by bucket have length K+1 (buckets 0 and K stay empty).
+(1..K-1), or with `replay.bucketing = reward_std` its reward-std level (`std_buckets`,
+also 1..K-1). Arrays indexed by bucket have length K+1 (buckets 0 and K stay empty).
 """
 
 import numpy as np
@@ -66,12 +67,22 @@ def capped_multinomial(n: int, probs_B: np.ndarray, sizes_B: np.ndarray,
 
 
 def std_buckets(rewards_QxK: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-  """Buckets for continuous rewards: per-question reward std, min-max normalised over the
-  batch and rounded to K levels, round(K (s - s_min) / max(s_max - s_min, eps)) in 0..K.
+  """Buckets for continuous rewards (`replay.bucketing = reward_std`), in 0..K-1.
+
+  The paper's level round(K s~) of the per-question reward std s, min-max normalised
+  over the batch (s~ = (s - s_min) / max(s_max - s_min, eps)), clipped into the buckets
+  the buffer stores, 1..K-1. Unclipped, round(K s~) runs over 0..K, and 0 and K are the
+  levels the buffer leaves alone (0/K and K/K under the correct-count rule): every batch
+  would lose its highest-variance question (s~ = 1) and its lowest (s~ = 0) for good.
+  A question whose K rewards are all equal (std 0: zero advantages, nothing to learn
+  from its trajectories) gets 0 and is not stored. A batch whose stds are all equal
+  and non-zero goes to bucket 1.
   """
   rewards_QxK = np.asarray(rewards_QxK, np.float64)
   if rewards_QxK.ndim != 2:
     raise ValueError(f"rewards must be [Q, K], got shape {rewards_QxK.shape}")
+  k = rewards_QxK.shape[1]
   std_Q = rewards_QxK.std(axis=1)
   scaled = (std_Q - std_Q.min()) / max(std_Q.max() - std_Q.min(), eps)
-  return np.rint(scaled * rewards_QxK.shape[1]).astype(np.int64)
+  levels = np.clip(np.rint(scaled * k), 1, k - 1).astype(np.int64)
+  return np.where(std_Q > 0, levels, 0)

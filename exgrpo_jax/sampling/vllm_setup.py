@@ -81,7 +81,7 @@ class VllmOptions:
   def from_config(cls, config) -> "VllmOptions":
     """The options of training config `config`; ValueError lists every bad value."""
     v, new_tokens = config.rollout.vllm, config.rollout.max_new_tokens
-    if config.eval.every:
+    if config.eval.every or config.eval.before_train:
       new_tokens = max(new_tokens, config.eval.max_new_tokens)
     options = cls(max_model_len=config.data.max_prompt_tokens + new_tokens,
                   seed=config.train.seed, **v.to_dict())

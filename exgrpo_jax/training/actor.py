@@ -54,7 +54,7 @@ class Actor:
     """Splits the groups' B*K responses into mini-batches, one optimizer step each.
 
     Each mini-batch is packed into rows (`train.packing`; `packing.train_batch`).
-    Returns (params, opt_state, metrics averaged over the steps; `skipped` summed).
+    Returns (params, opt_state, the step's metrics: `learner.combine_step_metrics`).
     """
     responses = [packing.Sequence(g.prompt_ids, r.tokens, r.old_logp, adv, r.is_replay)
                  for g in groups for r, adv in zip(g.responses, g.advantages)]
@@ -62,8 +62,8 @@ class Actor:
     prompt_len = padding.prompt_bucket(max(len(r.prompt) for r in responses))
     micro = self.micro_batch_size
     per_mini = -(-len(responses) // self.mini_batches)
-    metrics = []
-    for part in np.array_split(order, self.mini_batches):
+    metrics, parts = [], np.array_split(order, self.mini_batches)
+    for part in parts:
       batch = packing.train_batch(
           [responses[i] for i in part], prompt_len=prompt_len,
           response_len=self.max_new_tokens, micro_batch=micro,
@@ -74,8 +74,10 @@ class Actor:
           use_clip=use_clip, chunk=self.chunk)
       metrics.append(m)
     # One device->host transfer per step, after both optimizer steps are queued.
-    metrics = jax.device_get(metrics)
-    merged = {name: float(np.mean([m[name] for m in metrics])) for name in metrics[0]}
-    merged["skipped"] = float(np.sum([m["skipped"] for m in metrics]))
+    shares = packing.policy_shares(
+        [min(len(r.tokens), self.max_new_tokens) for r in responses], parts,
+        self.algo.aggregation, self.algo.norm_len)
+    merged = learner.combine_step_metrics(jax.device_get(metrics), shares,
+                                          self.algo.entropy_coeff)
     merged["lr"] = self.lr
     return params, opt_state, merged

@@ -3,17 +3,21 @@
 `check(config)` raises `ConfigError` naming the key, its value and what is allowed, for
 out-of-range values (rho outside [0, 1], K < 2, non-positive lengths, ...), batch sizes
 that do not fit together, unknown names (loss, advantage, reward, template, engine,
-trajectory selection) and missing files. Unknown keys are caught earlier, by the locked
-ConfigDict. The mesh is checked by `exgrpo_jax.sharding` when it is built.
+trajectory selection), missing files and a data path that the configured source would
+not read. `unknown_key(config, key)` names a key the config lacks (the train CLI's
+`--config.KEY` typos; the locked ConfigDict refuses to add it) and the closest valid
+one; `check_data_size` refuses a batch larger than the training questions once they are
+loaded. The mesh is checked by `exgrpo_jax.sharding` when it is built; what a resumed
+run may change, by `resume_check`.
 
-`check_resume(saved, config)` refuses, by key, a resumed run whose config changed a value
-the checkpoint cannot follow (K, the model, the question set); every other change is
-honoured from the resumed step on.
+A ConfigError is a `cli.UsageError`: the train CLI exits with status 2.
 """
 
+import difflib
 import os
 
 from exgrpo_jax import advantages
+from exgrpo_jax import cli
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
 from exgrpo_jax.data import readers
@@ -28,16 +32,11 @@ from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import phase
 from exgrpo_jax.training import run_log
 
-# What a checkpoint's buffer, params and question stream were built for (prefixes).
-RESUME_FIXED = ("rollout.k", "model.path", "model.random_init", "model.arch.",
-                "data.source", "data.arithmetic.", "data.reasoning_gym.", "data.train_path", "data.limit",
-                "data.max_prompt_tokens")
-
 # The model config also accepts float16; training is supported in these two.
 DTYPES = ("float32", "bfloat16")
 
 
-class ConfigError(ValueError):
+class ConfigError(cli.UsageError):
   """A config value that cannot work."""
 
 
@@ -92,6 +91,7 @@ def check(c) -> None:
   _known("data.source", c.data.source, data_sources.SOURCES.names())
   if c.data.source == "file":
     _data("data.train_path", c.data.train_path, c.data.dir)
+  _only_with_file_source(c.data.train_path, "data.train_path", "data.source", c.data.source)
   try:  # generating both splits takes milliseconds and catches too-small settings
     if "arithmetic" in (c.data.source, c.eval.source):
       data_sources.from_arithmetic(c, "train")
@@ -184,7 +184,9 @@ def check(c) -> None:
 
   e = c.eval
   _range(c, "eval.every", 0)
+  _known("eval.before_train", e.before_train, (None, True, False))
   _known("eval.source", e.source, data_sources.SOURCES.names())
+  _only_with_file_source(e.path, "eval.path", "eval.source", e.source)
   _range(c, "eval.samples", 0)
   if e.every or e.before_train:
     if e.source == "file":
@@ -195,22 +197,40 @@ def check(c) -> None:
     _range(c, "eval.n", 1)
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def _only_with_file_source(path: str, key: str, source_key: str, source: str) -> None:
+  _require(not path or source == "file", key, path,
+           f"is read only with {source_key}='file', and this config's source is "
+           f"{source!r}; add --config.{source_key}=file, or drop the path")
+
+
+def check_data_size(c, num_questions: int, source: str) -> None:
+  """Raises ConfigError if a batch needs more distinct questions than `source` has."""
+  _require(c.train.batch_questions <= num_questions, "train.batch_questions",
+           c.train.batch_questions, f"more than the {num_questions} training questions of "
+           f"{source} (a batch never holds a question twice); lower it, or raise data.limit")
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+  """{"section.key": value} of a nested dict (a config's `to_dict()`)."""
   out = {}
   for k, v in d.items():
     if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}."))
+      out.update(flatten(v, f"{prefix}{k}."))
     else:
       out[f"{prefix}{k}"] = v
   return out
 
 
-def check_resume(saved: dict, c) -> None:
-  """Raises ConfigError if `c` changes a RESUME_FIXED key of the checkpoint's `saved` config."""
-  before, now = _flatten(saved), _flatten(c.to_dict())
-  for key in sorted(now):
-    fixed = any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_FIXED)
-    if fixed and key in before and before[key] != now[key]:
-      raise ConfigError(f"config.{key}={now[key]!r}: the checkpoint being resumed was "
-                        f"trained with {before[key]!r}; resume with that value or start a "
-                        "new workdir")
+def unknown_key(c, key: str) -> str | None:
+  """Why `--config.<key>` names no key of config `c` (with the closest one), or None."""
+  node = c
+  for part in key.split("."):
+    if not hasattr(node, "keys") or part not in node:
+      known = list(flatten(c.to_dict()))
+      leaf = key.rsplit(".", 1)[-1]
+      close = ([k for k in known if k.rsplit(".", 1)[-1] == leaf] or
+               difflib.get_close_matches(key, known, n=1, cutoff=0.5))
+      hint = f"; did you mean --config.{close[0]}?" if close else ""
+      return f"--config.{key}: no such config key{hint}"
+    node = node[part]
+  return None

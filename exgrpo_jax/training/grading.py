@@ -43,6 +43,13 @@ class Grader:
       start += len(g.responses)
     return stats
 
+  def eval_questions(self) -> list:
+    """The validation questions (`eval.source`, loaded on first use); [] without any."""
+    if self._eval_questions is None:
+      self._eval_questions = (data.sources.load(self.config, "eval").questions
+                              if data.sources.has_eval_data(self.config) else [])
+    return self._eval_questions
+
   def validate(self, engine, params, tokenizer) -> dict:
     """Validation accuracy on `eval.source`, per data source and averaged (val/* metrics).
 
@@ -50,11 +57,9 @@ class Grader:
     above 0, also greedy accuracy on the same questions (val/greedy_score). A few graded
     completions of the first pass (`eval.samples`) are kept in `eval_responses`.
     """
-    config, cfg = self.config, self.config.eval
-    if not data.sources.has_eval_data(config):
+    cfg = self.config.eval
+    if not self.eval_questions():
       return {}
-    if self._eval_questions is None:
-      self._eval_questions = data.sources.load(config, "eval").questions
     result = self._evaluate(engine, params, tokenizer, cfg.temperature, cfg.n,
                             keep_responses=cfg.samples > 0)
     self.eval_responses = result.get("responses", [])[:cfg.samples]

@@ -21,6 +21,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from exgrpo_jax import logprobs
@@ -28,11 +29,14 @@ from exgrpo_jax import losses
 from exgrpo_jax import models
 from exgrpo_jax import sharding
 
-# Micro-batch metrics that add up to the mini-batch's (losses already carry mini-batch
-# weights, token counts); "*_max" metrics take the maximum, the rest are token means,
-# weighted by the replayed ("off_*") or fresh tokens they average over.
+# One rule per metric, over a mini-batch's micro-batches and over a training step's
+# mini-batches alike (`combine_metrics`): counts and shares of one objective add up,
+# "*_max" metrics take the maximum, grad_norm is the mean over optimizer steps, and the
+# rest are token means, weighted by the replayed ("off_*") or fresh tokens they average
+# over.
 _SUMMED = ("loss", "pg_loss", "on_pg_loss", "off_pg_loss", "entropy", "on_tokens",
-           "off_tokens")
+           "off_tokens", "skipped")
+_PER_OPTIMIZER_STEP = ("grad_norm",)
 
 
 @flax.struct.dataclass
@@ -108,17 +112,37 @@ def _micro_loss(params, micro: TrainBatch, *, cfg, algo, use_clip, chunk, num_to
 
 
 def combine_metrics(metrics_M: dict) -> dict:
-  """The mini-batch's metrics from its micro-batches' (each [M]); see `_SUMMED`."""
+  """The metrics of M parts (each [M]: micro-batches, or a step's mini-batches whose
+  losses are scaled to shares, `combine_step_metrics`) as one; see `_SUMMED`."""
   combined = {}
   for name, value_M in metrics_M.items():
     if name in _SUMMED:
       combined[name] = value_M.sum()
     elif name.endswith("_max"):
       combined[name] = value_M.max()
+    elif name in _PER_OPTIMIZER_STEP:
+      combined[name] = value_M.mean()
     else:
       tokens_M = metrics_M["off_tokens" if name.startswith("off_") else "on_tokens"]
       combined[name] = (value_M * tokens_M).sum() / jnp.maximum(tokens_M.sum(), 1)
   return combined
+
+
+def combine_step_metrics(metrics_N: list[dict], policy_share_N, entropy_coeff: float) -> dict:
+  """A training step's metrics (floats) from its N optimizer steps' (host values).
+
+  Each mini-batch's losses are those of its own objective; scaled to shares of the
+  whole step's (the policy loss by `policy_share_N`, `packing.policy_shares`; the entropy
+  mean by the mini-batch's share of the step's tokens) they add up as micro-batches'
+  do, and the rest follows `combine_metrics`.
+  """
+  m = {name: np.array([x[name] for x in metrics_N], np.float64) for name in metrics_N[0]}
+  tokens_N = m["on_tokens"] + m["off_tokens"]
+  for name in ("pg_loss", "on_pg_loss", "off_pg_loss"):
+    m[name] = m[name] * np.asarray(policy_share_N)
+  m["entropy"] = m["entropy"] * tokens_N / max(tokens_N.sum(), 1)
+  m["loss"] = m["pg_loss"] - entropy_coeff * m["entropy"]
+  return {name: float(value) for name, value in combine_metrics(m).items()}
 
 
 def accumulate_gradients(params, batch: TrainBatch, *, cfg, algo, use_clip, chunk,

@@ -138,6 +138,22 @@ def token_weights(mask_SxR, aggregation: str, norm_len: float) -> np.ndarray:
   raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {losses.AGGREGATIONS}")
 
 
+def policy_shares(lengths_S, parts, aggregation: str, norm_len: float) -> np.ndarray:
+  """Per part (mini-batch) of S sequences: what its policy loss is multiplied by to be
+  its share of the policy loss of all S at once. A token's weight in the whole and in
+  its part differ by one factor per part for every aggregation: 1 for token_sum_norm,
+  the part's share of the tokens for token_mean, of the sequences for
+  seq_mean_token_mean."""
+  lengths_S = np.asarray(lengths_S)
+  mask_SxL = np.arange(max(int(lengths_S.max()), 1)) < lengths_S[:, None]
+  whole_SxL = token_weights(mask_SxL, aggregation, norm_len)
+  shares = []
+  for part in parts:
+    own = token_weights(mask_SxL[part], aggregation, norm_len).sum()
+    shares.append(whole_SxL[part].sum() / own if own else 0.0)
+  return np.array(shares)
+
+
 def train_batch(responses: list[Sequence], *, prompt_len: int, response_len: int,
                 micro_batch: int, num_micro: int, pad_id: int, aggregation: str,
                 norm_len: float, pack: bool = True) -> learner.TrainBatch:

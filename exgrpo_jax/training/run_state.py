@@ -31,6 +31,7 @@ from exgrpo_jax.models import loading
 from exgrpo_jax.replay import buffer as buffer_lib
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import learner
+from exgrpo_jax.training import resume_check
 
 
 def _model_config_for_random_init(config, tokenizer) -> models.ModelConfig:
@@ -51,7 +52,6 @@ class RunState:
   def __init__(self, config, workdir: str):
     self.config = config
     self.workdir = workdir
-    self.store = checkpointing.CheckpointStore(workdir, keep=config.train.keep_checkpoints)
     self.step = 0
     self.replay_started = config.algo.delayed_start <= 0
 
@@ -91,6 +91,8 @@ class RunState:
     self.sampling_config = sampling.SamplingConfig(
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
         top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
+    # Last: it creates <workdir>/checkpoints, which a refused config must not leave.
+    self.store = checkpointing.CheckpointStore(workdir, keep=config.train.keep_checkpoints)
 
   def _buffer_config(self) -> dict:
     return dict(self.config.replay.to_dict(), vocab_size=self.model_cfg.vocab_size,
@@ -110,15 +112,21 @@ class RunState:
     print(f"[exgrpo_jax] {path}: {len(prompts)} questions ({len(loaded.skipped)} bad rows "
           f"skipped, {dropped} prompts over {cfg.data.max_prompt_tokens} tokens dropped)",
           file=sys.stderr)
+    config_check.check_data_size(cfg, len(prompts), path)
     return prompts, {"rows_skipped": len(loaded.skipped), "prompts_too_long": dropped}
 
   @classmethod
   def create_or_restore(cls, config, workdir: str) -> "RunState":
     state = cls(config, workdir)
-    # Damaged newer checkpoints are reported and moved aside (checkpointing.py).
-    restored = state.store.restore_newest_intact(
-        sharding.abstract(state.params, state.param_shardings),
-        sharding.abstract(state.opt_state, state.opt_shardings))
+    # Damaged newer checkpoints are reported and moved aside (checkpointing.py); a config
+    # the checkpoint cannot follow is refused before any array is read.
+    try:
+      restored = state.store.restore_newest_intact(
+          sharding.abstract(state.params, state.param_shardings),
+          sharding.abstract(state.opt_state, state.opt_shardings), state.check_resume)
+    except BaseException:
+      state.close()
+      raise
     if restored is None:
       state.init_weights()
     else:
@@ -161,13 +169,18 @@ class RunState:
             f"at step {self.step}", file=sys.stderr)
     distributed.check_same_on_all_processes(hex_digest, f"host state at step {self.step}")
 
-  def load(self, params, opt, host: dict, meta: dict) -> None:
-    """Takes over a restored checkpoint (`CheckpointStore.restore`'s four parts).
+  def check_resume(self, meta: dict) -> None:
+    """Refuses (ConfigError) a config the checkpoint with `meta` cannot follow; prints a
+    warning line per other change that alters the run (`resume_check`)."""
+    warnings = resume_check.check(meta["config"], self.config, meta["step"])
+    resume_check.check_model(meta["model_config"], self.model_cfg, self.config)
+    for line in warnings:
+      print(f"[exgrpo_jax] warning: {line}", file=sys.stderr, flush=True)
 
-    The run's config applies from here on (the buffer's sampling and caps included);
-    changes the checkpoint cannot follow raise config_check.ConfigError.
-    """
-    config_check.check_resume(meta["config"], self.config)
+  def load(self, params, opt, host: dict, meta: dict) -> None:
+    """Takes over a restored checkpoint (`CheckpointStore.restore`'s four parts, checked
+    by `check_resume`); the run's config applies from here on (the buffer's sampling and
+    caps included)."""
     self.params, self.opt_state = params, opt
     self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host, self._buffer_config())
     self.stream.load_state_dict(meta["stream"])

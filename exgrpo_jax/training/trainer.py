@@ -12,7 +12,10 @@ advantages), remember (7: retire K/K, bucket and store 1..K-1), learn (8:
 `optim.mini_batches` jitted AdamW steps) and update the phase (9: the delayed start).
 Metrics go to JSONL/TensorBoard, checkpoints are written every `train.checkpoint_every`
 steps and on SIGTERM / Ctrl-C, and the run evaluates on `eval.source` every `eval.every`
-steps. The workdir is locked for the run; a non-finite loss stops it (run_guard.py).
+steps and at the last one (`eval.every = 0`: never), and at step 0 per
+`eval.before_train` (`evaluates_before_training`). A line goes to stderr before each
+first compile and each evaluation (announce.py). The workdir is locked for the run; a
+non-finite loss stops it (run_guard.py).
 """
 
 import contextlib
@@ -31,6 +34,7 @@ from exgrpo_jax.models import export
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import actor as actor_lib
+from exgrpo_jax.training import announce
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import grading
 from exgrpo_jax.training import groups as groups_lib
@@ -38,6 +42,12 @@ from exgrpo_jax.training import phase
 from exgrpo_jax.training import run_guard
 from exgrpo_jax.training import run_log
 from exgrpo_jax.training import run_state
+
+
+def evaluates_before_training(eval_cfg) -> bool:
+  """`eval.before_train`: None (the default) evaluates at step 0 whenever `eval.every`
+  is above 0; True also with `eval.every = 0` (the only evaluation then); False never."""
+  return eval_cfg.every > 0 if eval_cfg.before_train is None else eval_cfg.before_train
 
 
 @contextlib.contextmanager
@@ -52,6 +62,7 @@ class Trainer:
 
   def __init__(self, config, workdir: str, engine=None):
     config_check.check(config)
+    self.notices = announce.Notices()  # before anything compiles
     self.config = config
     self.workdir = workdir
     # Before anything is read or written: a second trainer here is refused.
@@ -255,6 +266,8 @@ class Trainer:
 
   def _evaluate(self) -> dict:
     """val/* metrics; a few graded completions go to the run log."""
+    self.notices.evaluating(self.state.step, len(self.grader.eval_questions()),
+                            self.config.eval.n)
     metrics = self.grader.validate(self.engine, self.state.params, self.state.tokenizer)
     self.log.eval_samples(self.state.step, self.grader.eval_responses)
     return metrics
@@ -265,11 +278,13 @@ class Trainer:
     metrics = {}
     try:
       with run_guard.StopSignals() as stop:
-        if cfg.eval.before_train and st.step == 0:
+        if st.step == 0 and evaluates_before_training(cfg.eval):
           start = self._evaluate()
           self.log.write(0, start)
           self.log.progress(0, start)
         while st.step < cfg.train.steps and not self._stop_on_all_processes(stop):
+          self.notices.compiling(f"step {st.step + 1}",
+                                 "the rollout, scoring and train-step programs")
           metrics = self.train_step()
           if cfg.eval.every and (st.step % cfg.eval.every == 0 or st.step == cfg.train.steps):
             metrics.update(self._evaluate())
