@@ -110,12 +110,3 @@ def check_writable(path: str) -> None:
     raise OSError(f"cannot write {path}: {e.strerror}") from None
   if not existed:
     os.remove(path)
-
-
-def make_config_files_importable(argv) -> None:
-  """Config files import `configs.common`; puts the repository root of a `--config=`
-  file on sys.path (call before absl parses the flags)."""
-  for arg in argv:
-    if arg.startswith("--config="):
-      path = arg.split("=", 1)[1].split(":", 1)[0]
-      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))

@@ -20,21 +20,18 @@ pass --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or set
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); see exgrpo_jax.distributed.
 """
 
-import importlib.util
-import os
-import re
 import sys
 
 from absl import app
 from absl import flags
 from absl import logging
-import ml_collections
 from ml_collections import config_flags
 
 from exgrpo_jax import cli
+from exgrpo_jax import config_cli
 
 
-cli.make_config_files_importable(sys.argv)
+config_cli.make_config_files_importable(sys.argv)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, logs).")
@@ -46,54 +43,8 @@ _DEBUG = flags.DEFINE_bool("debug", False, "Show an error's traceback instead of
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _config_problem(argv) -> str | None:
-  """What is wrong with `--config` or a `--config.KEY` override in `argv`, found by
-  loading the config file again (absl's own message is a traceback or names neither)."""
-  specs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-  if not specs:
-    return None
-  path, _, arg = specs[-1].partition(":")
-  if not os.path.isfile(path):
-    return f"--config={specs[-1]}: no such file"
-  try:
-    spec = importlib.util.spec_from_file_location("exgrpo_config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(*([arg] if arg else []))
-  except Exception as e:  # pylint: disable=broad-except
-    return f"--config={specs[-1]}: {cli.one_line(e)}"
-  from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
-  for a in argv:
-    key = re.match(r"--(?:no)?config\.([^=]+)", a)
-    problem = key and config_check.unknown_key(config, key.group(1))
-    if problem:
-      return problem
-  return None
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, but a bad flag is one line and exit status 2 (absl exits 1
-  with a usage hint; a config key typo or a broken config file is a traceback)."""
-  try:
-    rest = flags.FLAGS(argv)
-    # A config file that failed to load (and no override touched it) is only a
-    # placeholder that raises when read.
-    problem = (None if isinstance(_CONFIG.value, ml_collections.ConfigDict)
-               else _config_problem(argv))
-    if len(rest) > 1:
-      problem = f"unexpected arguments: {' '.join(rest[1:])}"
-  except SystemExit:  # --help and its kin print the usage, then absl exits 1
-    sys.exit(0)
-  except Exception as e:  # pylint: disable=broad-except
-    problem = _config_problem(argv) or cli.one_line(e)
-  if problem:
-    print(f"exgrpo_jax.train: {problem}", file=sys.stderr, flush=True)
-    sys.exit(cli.EXIT_USAGE)
-  return rest
-
-
 def main(argv):
-  del argv  # _parse_flags refused any positional argument
+  del argv  # the flags parser refused any positional argument
   # Orbax logs every checkpoint step at INFO; keep the console to our progress line
   # unless the user asks for more with --verbosity.
   if not flags.FLAGS["verbosity"].present:
@@ -114,4 +65,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=config_cli.flags_parser(_CONFIG, "exgrpo_jax.train"))

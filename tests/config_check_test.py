@@ -10,6 +10,7 @@ import pytest
 
 from configs import common
 from exgrpo_jax import cli
+from exgrpo_jax import config_cli
 from exgrpo_jax import models
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import resume_check
@@ -181,8 +182,8 @@ def test_resume_refuses_another_model_under_the_same_key():
     ("zzz.qqq", "--config.zzz.qqq: no such config key"),
 ])
 def test_unknown_key_names_the_closest_valid_one(key, message):
-  assert config_check.unknown_key(_config(), key) == message
-  assert config_check.unknown_key(_config(), "rollout.vllm.sleep_level") is None
+  assert config_cli.unknown_key(_config(), key) == message
+  assert config_cli.unknown_key(_config(), "rollout.vllm.sleep_level") is None
 
 
 def test_eval_before_train_is_none_true_or_false():

@@ -8,7 +8,7 @@ Run it in an environment with the target's compiler (`bash scripts/aot_env.sh tp
 `gpu`; BUILD.md, "Ahead-of-time check"). It prints one row per program (compile time,
 peak memory per device against the usable memory, FLOPs, collectives, a roofline
 estimate), writes the JSON report to --out, and exits 1 naming the first program that
-does not compile or does not fit (0 when all do; 2 on bad arguments).
+does not compile or does not fit (0 when all do; 2 on a bad flag or config key).
 """
 
 import sys
@@ -18,10 +18,11 @@ from absl import flags
 from ml_collections import config_flags
 
 from exgrpo_jax import cli
+from exgrpo_jax import config_cli
 from exgrpo_jax.aot import targets
 
 
-cli.make_config_files_importable(sys.argv)
+config_cli.make_config_files_importable(sys.argv)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _TARGET = flags.DEFINE_enum("target", None, list(targets.TARGETS), "Machine to compile for.")
@@ -69,8 +70,7 @@ def table(report: dict) -> str:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # the flags parser refused any positional argument
   targets.prepare_environment()
 
   def check() -> int:
@@ -96,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_cli.flags_parser(_CONFIG, "exgrpo_jax.aot"))

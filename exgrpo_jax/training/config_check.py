@@ -4,16 +4,14 @@
 out-of-range values (rho outside [0, 1], K < 2, non-positive lengths, ...), batch sizes
 that do not fit together, unknown names (loss, advantage, reward, template, engine,
 trajectory selection), missing files and a data path that the configured source would
-not read. `unknown_key(config, key)` names a key the config lacks (the train CLI's
-`--config.KEY` typos; the locked ConfigDict refuses to add it) and the closest valid
-one; `check_data_size` refuses a batch larger than the training questions once they are
-loaded. The mesh is checked by `exgrpo_jax.sharding` when it is built; what a resumed
+not read (`--config.KEY` typos, which the locked ConfigDict refuses, are named with the
+closest valid key by `exgrpo_jax.config_cli`); `check_data_size` refuses a batch larger
+than the training questions once they are loaded. The mesh is checked by `exgrpo_jax.sharding` when it is built; what a resumed
 run may change, by `resume_check`.
 
 A ConfigError is a `cli.UsageError`: the train CLI exits with status 2.
 """
 
-import difflib
 import os
 
 from exgrpo_jax import advantages
@@ -208,29 +206,3 @@ def check_data_size(c, num_questions: int, source: str) -> None:
   _require(c.train.batch_questions <= num_questions, "train.batch_questions",
            c.train.batch_questions, f"more than the {num_questions} training questions of "
            f"{source} (a batch never holds a question twice); lower it, or raise data.limit")
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-  """{"section.key": value} of a nested dict (a config's `to_dict()`)."""
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
-def unknown_key(c, key: str) -> str | None:
-  """Why `--config.<key>` names no key of config `c` (with the closest one), or None."""
-  node = c
-  for part in key.split("."):
-    if not hasattr(node, "keys") or part not in node:
-      known = list(flatten(c.to_dict()))
-      leaf = key.rsplit(".", 1)[-1]
-      close = ([k for k in known if k.rsplit(".", 1)[-1] == leaf] or
-               difflib.get_close_matches(key, known, n=1, cutoff=0.5))
-      hint = f"; did you mean --config.{close[0]}?" if close else ""
-      return f"--config.{key}: no such config key{hint}"
-    node = node[part]
-  return None

@@ -20,6 +20,7 @@ one warning line per changed key: the run is then no longer one config's.
 import dataclasses
 import json
 
+from exgrpo_jax import config_cli
 from exgrpo_jax.training import config_check
 
 # Keys (or prefixes, ending in ".") a resumed run must keep.
@@ -43,7 +44,7 @@ def _matches(key: str, prefixes) -> bool:
 def check(saved: dict, c, step: int | None = None) -> list[str]:
   """Raises ConfigError if `c` changes a FIXED key of the checkpoint's `saved` config;
   returns one warning line per other changed key that is not FREE."""
-  before, now = config_check.flatten(saved), config_check.flatten(c.to_dict())
+  before, now = config_cli.flatten(saved), config_cli.flatten(c.to_dict())
   changed = [k for k in sorted(now) if k in before and before[k] != now[k]]
   for key in changed:
     if _matches(key, FIXED):
