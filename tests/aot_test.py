@@ -10,6 +10,7 @@ code before the fix) the same compile must fail the way the compilers refused it
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -64,3 +65,53 @@ def test_without_shard_map_the_compiler_refuses_the_kernel(case):
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert CASES[case][4] in result["programs"]["learner_step"]["error"]
+
+
+def run_cli(environment: str, *args: str, **env) -> subprocess.CompletedProcess:
+  return subprocess.run(
+      [aot_python(environment), "-m", "exgrpo_jax.aot", *args], cwd=conftest.REPO_ROOT,
+      env=conftest.subprocess_env(**env), capture_output=True, text=True, timeout=900,
+      check=False)
+
+
+SMALL = ("--config=configs/qwen1_5b.py:runlocal", "--layers=1", "--parts=learner")
+
+
+def test_cli_compiles_a_config_and_writes_its_report(tmp_path):
+  out = tmp_path / "aot.json"
+  proc = run_cli("tpu", *SMALL, "--target=v5p-8", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.splitlines()[0].split()[:3] == ["program", "compile", "s"]
+  report = json.loads(out.read_text())
+  assert report["ok"] and report["first_failure"] is None
+  assert report["target"]["name"] == "v5p-8" and report["devices"] == 4
+  assert report["model"]["layers"] == 1 and report["model"]["attention"] == "auto"
+  assert [p["name"] for p in report["programs"]] == ["learner_step", "score"]
+  step = report["programs"][0]
+  assert 0 < step["peak_bytes"] <= step["usable_bytes"] == 95 * 2 ** 30
+  assert step["flops_per_device"] > step["xla_flops"] > 0  # loops at their trip counts
+  assert step["roofline_s"] > 0 and step["collectives"]
+
+
+def test_cli_names_the_program_the_tpu_compiler_refuses():
+  proc = run_cli("tpu", *SMALL, "--target=v5e-8", "--config.train.batch_questions=256",
+                 "--config.optim.micro_batch_size=1024")
+  assert proc.returncode == 1
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("exgrpo_jax.aot: learner_step did not compile: ")
+  assert "CompileTimeHbmOom" in last
+
+
+def test_cli_names_the_program_over_a_gpus_usable_memory():
+  # XLA:GPU compiles anything; the check sets the peak against the memory JAX may use.
+  proc = run_cli("gpu", *SMALL, "--target=h100x1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.01")
+  assert proc.returncode == 1
+  last = proc.stderr.strip().splitlines()[-1]
+  assert re.fullmatch(r"exgrpo_jax\.aot: learner_step does not fit: [\d.]+ GiB per device "
+                      r"\(its peak [\d.]+ \+ [\d.]+ kept beside it\) > usable 0\.79 GiB", last)
+
+
+def test_cli_refuses_an_unknown_target_with_status_2():
+  proc = run_cli("tpu", *SMALL, "--target=v9-8")
+  assert proc.returncode == 2
+  assert "v9-8" in proc.stderr

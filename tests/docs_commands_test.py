@@ -33,12 +33,15 @@ DOCS = ("README.md", "BUILD.md", *sorted(
     for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "*.md"))))
 # A shell command starts with one of these (after VAR=value assignments) and has an
 # argument; anything else in backticks or a code block (flags, names, output) is not one.
-_PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|\.venv/bin/\S+|"
+_PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|\.(?:venv|aot)/\S+|"
                       r"\. \.venv/bin/activate)\s+\S")
 
 NETWORK = "downloads (network)"
 INSTALL = "installs packages (network); this test runs in an installed environment"
 GPU_MACHINE = "runs on the workplace's GPU machine (BUILD.md, 'Accelerator check')"
+# The AOT commands run in scripts/aot_env.sh's environments (Python 3.12): this test runs
+# the CLI there (and CI runs .ci/run's own AOT commands).
+AOT_CLI = "tests/aot_test.py::test_cli_compiles_a_config_and_writes_its_report"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,10 @@ COMMANDS = [
             run="{python} -m exgrpo_jax.convert --src {workdir} --dst {tmp}/hf --dtype bfloat16",
             expect=r"wrote .*parameters"),
     Command("python -m exgrpo_jax.prepare_data [--out DIR] [--datasets ...]", skip=NETWORK),
+    Command("python -m exgrpo_jax.aot --config=configs/<model>.py --target=h100x8",
+            covered=AOT_CLI),
+    Command("bash scripts/aot_env.sh", skip=INSTALL),
+    Command("python -m exgrpo_jax.aot", skip="names the tool; its commands are listed"),
     Command("python scripts/plot_run.py --workdir DIR",
             run="{python} scripts/plot_run.py --workdir {workdir} --out {tmp}/plots",
             expect=r"wrote plots"),
@@ -123,7 +130,14 @@ COMMANDS = [
             "--config.rollout.vllm.gpu_memory_utilization=0.52 "
             "--config.rollout.vllm.tensor_parallel_size=2 ...",
             skip="8 GPUs with vLLM and Qwen2.5-Math-7B's weights"),
-    Command("pip install -U \"jax[tpu]\" && pip install -e .", skip="a TPU"),
+    Command("pip install \"jax[tpu]==0.12.0.1\" && pip install -e .", skip="a TPU"),
+    Command(".aot/tpu/bin/python -m exgrpo_jax.aot --config=configs/qwen7b.py --target=v5p-8 "
+            "--config.mesh.shape='(1, 4)' --config.rollout.max_rows=448 --out=aot.json",
+            covered=AOT_CLI),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot "
+            "--config=configs/qwen7b.py --target=h100x8", covered=AOT_CLI),
+    Command(".aot/gpu/bin/python -m exgrpo_jax.aot --config=configs/qwen1_5b.py:runlocal "
+            "--target=h100x8 --layers=2", covered=AOT_CLI),
     Command("pip install -e \".[data]\"", skip=INSTALL),
     Command("python -m exgrpo_jax.prepare_data", skip=NETWORK),
     Command("python -m exgrpo_jax.prepare_data --out /data/exgrpo --datasets openr1_math_46k "
@@ -172,6 +186,7 @@ COMMANDS = [
     # docs/algorithm.md
     Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
     # docs/reliability.md
+    Command("python -m exgrpo_jax.train", skip="names the tool; README's train commands run it"),
     Command("python scripts/fault_table.py --slow",
             run="{python} scripts/fault_table.py", expect=r"\| kind \| case \|", slow=True),
     # docs/rewards.md
