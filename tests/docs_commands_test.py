@@ -138,6 +138,9 @@ COMMANDS = [
             "--config=configs/qwen7b.py --target=h100x8", covered=AOT_CLI),
     Command(".aot/gpu/bin/python -m exgrpo_jax.aot --config=configs/qwen1_5b.py:runlocal "
             "--target=h100x8 --layers=2", covered=AOT_CLI),
+    Command(".aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1",
+            skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
+            "layers) in the GPU AOT environment: minutes; its output is committed"),
     Command("pip install -e \".[data]\"", skip=INSTALL),
     Command("python -m exgrpo_jax.prepare_data", skip=NETWORK),
     Command("python -m exgrpo_jax.prepare_data --out /data/exgrpo --datasets openr1_math_46k "
