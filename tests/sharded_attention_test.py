@@ -57,10 +57,11 @@ def _child(outdir: str) -> None:
     grad = lambda kernel: jax.jit(jax.value_and_grad(functools.partial(loss, kernel),
                                                      (0, 1, 2)))
     reference = grad(xla)(q, k, v)
-    kernels = {"xla": functools.partial(attention._on_shards, xla)}  # pylint: disable=protected-access
+    on_shards = attention._on_shards  # pylint: disable=protected-access
+    kernels = {"xla": functools.partial(on_shards, xla)}
     if name in SPLASH_CASES:
-      kernels["splash"] = functools.partial(attention._on_shards, functools.partial(  # pylint: disable=protected-access
-          splash.attention, interpret=True))
+      kernels["splash"] = functools.partial(
+          on_shards, functools.partial(splash.attention, interpret=True))
     results[name] = {}
     for kernel_name, kernel in kernels.items():
       with sharding.use_mesh(mesh):

@@ -127,7 +127,7 @@ def _recomputes(config) -> bool:
 def rollout_key(engine, sampling_cfg, rows: int, prompt_len: int) -> tuple:
   """What decides the shapes and options of `rollout_programs`' programs."""
   N = sampling_cfg.max_new_tokens
-  slots = engine._continuous_slots(rows, N)  # pylint: disable=protected-access
+  slots = engine.continuous_slots(rows, N)
   return (slots or decode.bucket(min(rows, engine.max_rows or rows)), N,
           jax_engine.length_bucket(prompt_len, engine.min_prompt_bucket),
           sampling_cfg.is_greedy, sampling_cfg.top_k, sampling_cfg.top_p < 1.0,
@@ -140,7 +140,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   `learner_state` (parameters, optimizer state) stays on the devices."""
   N = sampling_cfg.max_new_tokens
   L = jax_engine.length_bucket(prompt_len, engine.min_prompt_bucket)
-  pcfg = engine._program_cfg  # pylint: disable=protected-access
+  pcfg = engine.program_cfg
   E = len(engine.eos_ids)
   scalars = tuple(_struct((), dtype, mesh) for dtype in (jnp.float32, jnp.float32, bool)) + (
       _struct((E,), jnp.int32, mesh),)
@@ -153,7 +153,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   params = lambda out: out["rollout_copy"]  # evaluation shares the rollout's copy
   # What stays on the devices beside a rollout program's own arguments.
   weights = lambda out: (*learner_state, params(out), out[prefix + "prepare_layers"])
-  slots = engine._continuous_slots(rows, N)  # pylint: disable=protected-access
+  slots = engine.continuous_slots(rows, N)
   if not slots:
     per_call = min(rows, engine.max_rows or rows)
     B, P = decode.bucket(per_call), decode.bucket(max(per_call * prompts // rows, 1))
@@ -162,18 +162,18 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
                              jax.ShapeDtypeStruct((B,), jnp.int32),
                              jax.ShapeDtypeStruct((B,), bool),
                              jax.ShapeDtypeStruct((B,), _key_dtype())), mesh)
-    phases = engine._phases(sampling_cfg)  # pylint: disable=protected-access
+    phases = engine.phases(sampling_cfg)
     return [copy, Program(
         prefix + "generate", f"prefill and decode {B} rows (static loop)", decode.generate,
         lambda out: (pcfg, params(out), *batch, *scalars), dict(options, phases=phases),
         calls=-(-rows // per_call), steps=N, streamed=(1,),
         resident=lambda _: learner_state)]
   floor = sharding.batch_shards(mesh)
-  table = pages.PageTable(slots, engine.page_size, L, N, continuous._POOL_SIZES, floor)  # pylint: disable=protected-access
+  table = pages.PageTable(slots, engine.page_size, L, N, continuous.POOL_SIZES, floor)
   pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
   grows_from = table.sizes[-2] if len(table.sizes) > 1 else pool  # the costliest growth
-  A = min(continuous._MAX_ROWS, slots)  # pylint: disable=protected-access
-  P = decode.bucket(continuous._MAX_PROMPTS)  # pylint: disable=protected-access
+  A = min(continuous.MAX_ROWS, slots)
+  P = decode.bucket(continuous.MAX_PROMPTS)
   steps = engine.chunk_steps
   i32 = lambda *shape: _struct(shape, jnp.int32, mesh)
   # The pool starts at its smallest size and grows layer by layer (`slots.repage`); the
@@ -188,7 +188,8 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
               f"({table.pages} pages of {engine.page_size})", slots_lib.empty,
               lambda out: (pcfg, params(out), _struct((), _key_dtype(), mesh)),
               dict(slots=slots, pages=table.pages, page_size=engine.page_size, prompt_len=L,
-                   mesh=mesh), resident=lambda out: (*learner_state, out[prefix + "prepare_layers"])),
+                   mesh=mesh),
+              resident=lambda out: (*learner_state, out[prefix + "prepare_layers"])),
       Program(prefix + "repage_layer", f"one layer of the pool grown from {grows_from} to "
               f"its largest, {pool} pages", slots_lib.repage_layer,
               lambda out: (tuple(jax.ShapeDtypeStruct((grows_from,) + x.shape[1:], x.dtype,
@@ -202,12 +203,13 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
               lambda out: (pcfg, params(out), out[prefix + "empty"][1],
                            _struct((P, L), jnp.int32, mesh), _struct((P, L), bool, mesh),
                            i32(A), i32()),
-              calls=-(-prompts // continuous._MAX_PROMPTS),  # pylint: disable=protected-access
+              calls=-(-prompts // continuous.MAX_PROMPTS),
               resident=lambda out: (*learner_state, out[prefix + "prepare_layers"],
                                     grown(out))),
       Program(prefix + "place", f"{A} admitted rows into slots and pages", slots_lib.place,
               lambda out: (grown(out), out[prefix + "admit"][0], i32(A),
-                           i32(A, -(-L // engine.page_size)), _struct((A,), _key_dtype(), mesh)),
+                           i32(A, -(-L // engine.page_size)),
+                           _struct((A,), _key_dtype(), mesh)),
               calls=-(-rows // A), resident=weights),
       Program(prefix + "select", f"the live half of {slots} slots", slots_lib.select,
               lambda out: (grown(out).replace(caches=()), i32(slots // 2)), dict(mesh=mesh),

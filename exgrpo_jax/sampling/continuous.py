@@ -19,7 +19,7 @@ positions and masks are the static loop's), but its addresses live on pages of i
 it gets a page when its next chunk reaches it, gives them all back when it ends, and
 attends to its own pages only. A step's attention therefore reads the live rows' keys,
 not B times the oldest row's, and a row admitted beside a row at step 900 pays for its
-own few pages. Before each chunk the pool becomes the smallest of `_POOL_SIZES` sizes
+own few pages. Before each chunk the pool becomes the smallest of `POOL_SIZES` sizes
 that holds the next chunk's pages (`slots.repage` moves the pages when that changes).
 Row r still draws its step-t token from fold_in(fold_in(key, r), t), so its output
 depends neither on its slot nor on its neighbours.
@@ -28,7 +28,7 @@ Why the host between chunks rather than one `lax.while_loop` with the refill ins
 the refill needs a prefill, whose size (how many new prompts) varies from refill to
 refill, and stop strings are only known to the tokenizer; between chunks both are plain
 host decisions with static shapes (prompt counts bucketed to 0, 1, 2, 4, ...
-`_MAX_PROMPTS`; a few pool sizes), and stop strings free their slot early. The price,
+`MAX_PROMPTS`; a few pool sizes), and stop strings free their slot early. The price,
 which docs/sampler_performance.md measures, is a host round trip per chunk and up to
 `steps` - 1 idle steps of a slot whose row ends inside a chunk.
 """
@@ -45,11 +45,11 @@ from exgrpo_jax.sampling import outputs
 from exgrpo_jax.sampling import pages as pages_lib
 from exgrpo_jax.sampling import slots as slots_lib
 
-# One `admit` call loads at most _MAX_ROWS rows and prefills at most _MAX_PROMPTS new
+# One `admit` call loads at most MAX_ROWS rows and prefills at most MAX_PROMPTS new
 # prompts (bucketed to a power of two, or none when all its rows reuse the carry): a few
 # programs to compile, and a refill of one row never pays for a large prefill.
-_MAX_ROWS = 16
-_MAX_PROMPTS = 4
+MAX_ROWS = 16
+MAX_PROMPTS = 4
 # Stop strings are looked for in the text of a row's new tokens plus this many earlier
 # ones (a hit is then confirmed on the whole text). A longer stop string is still found
 # by `outputs.finalize`; only its slot is not freed early.
@@ -57,7 +57,7 @@ _STOP_LOOKBACK = 32
 # The page pool takes at most this many sizes, k/8 of the static loop's cache for k = 1
 # .. 8 (in steps of at least one row's pages): a decode program per size in use, and at
 # most 1/8 of that cache attended in vain.
-_POOL_SIZES = 8
+POOL_SIZES = 8
 
 
 def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, prompt_len,
@@ -80,7 +80,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
                  use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                  return_entropy=sampling.return_entropy)
   floor = 1 if mesh is None else sharding.batch_shards(mesh)
-  table = pages_lib.PageTable(B, page_size, prompt_len, N, _POOL_SIZES, floor)
+  table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, floor)
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
@@ -187,7 +187,7 @@ class _Admitter:
     self.row_keys_R, self.params, self.L, self.table, self.put = (row_keys_R, params,
                                                                   prompt_len, table, put)
     self.B = table.first_B.size
-    self.rows_per_call = min(_MAX_ROWS, self.B)
+    self.rows_per_call = min(MAX_ROWS, self.B)
     self.carry_prompt = -1
 
   def __call__(self, state, carry, rows, slot_of_row):
@@ -198,7 +198,7 @@ class _Admitter:
       for r in rows[first:first + self.rows_per_call]:
         p = self.prompt_index_R[r]
         if p != self.carry_prompt and p not in new:
-          if len(new) == _MAX_PROMPTS:
+          if len(new) == MAX_PROMPTS:
             break
           new.append(p)
         sources.append(0 if p == self.carry_prompt else 1 + new.index(p))

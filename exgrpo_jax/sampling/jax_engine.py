@@ -115,7 +115,7 @@ class JaxEngine:
     self.pad_id = base.pad_id(model_cfg, tokenizer)
     # Token ids do not change the program; leaving them out of the key lets engines with
     # other EOS ids share it.
-    self._program_cfg = dataclasses.replace(model_cfg, eos_token_id=(), bos_token_id=None,
+    self.program_cfg = dataclasses.replace(model_cfg, eos_token_id=(), bos_token_id=None,
                                             pad_token_id=None)
     # decode_steps: steps of the decode loops; slot_steps: each step times the rows decoded
     # alongside (padding rows and ended rows included); new_tokens / slot_steps is the
@@ -147,7 +147,7 @@ class JaxEngine:
           f"the model's max_position_embeddings={self.model_cfg.max_position_embeddings}")
     start = time.perf_counter()
     params = self._rollout_params(params)
-    slots = self._continuous_slots(prompt_index_N.size, sampling.max_new_tokens)
+    slots = self.continuous_slots(prompt_index_N.size, sampling.max_new_tokens)
     if slots:
       parts = [continuous.generate(
           self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
@@ -178,7 +178,7 @@ class JaxEngine:
           out_shardings=models.param_shardings(self.model_cfg, mesh, self.rules))
     return self._reshard[mesh]
 
-  def _continuous_slots(self, rows: int, max_new_tokens: int) -> int:
+  def continuous_slots(self, rows: int, max_new_tokens: int) -> int:
     """The slots continuous scheduling decodes `rows` rows in; 0: the static loop."""
     if self.scheduler != "continuous":
       return 0
@@ -233,7 +233,7 @@ class JaxEngine:
                   top_k=0 if sampling.is_greedy else sampling.top_k,
                   use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
                   return_entropy=sampling.return_entropy,
-                  phases=self._phases(sampling))
+                  phases=self.phases(sampling))
     result = sharding.to_host(self.compiled(decode.generate, args, static)(*args))
     steps, N = int(result["lengths_B"].max()), sampling.max_new_tokens
     self.stats["decode_steps"] += steps
@@ -245,7 +245,7 @@ class JaxEngine:
     self.stats["prefills"] += P
     return {k: (None if v is None else v[:R]) for k, v in result.items()}
 
-  def _phases(self, sampling) -> int:
+  def phases(self, sampling) -> int:
     """Phases of the static loop's cache."""
     return self.cache_phases or decode.phases_for(sampling.max_new_tokens)
 
@@ -256,13 +256,13 @@ class JaxEngine:
   def compiled(self, program, args, static, takes_cfg: bool = True):
     """`program` (jitted; the model config its first argument if `takes_cfg`) compiled
     for these argument shapes and static options, once per process."""
-    signature = (program, self._program_cfg,
+    signature = (program, self.program_cfg,
                  tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                        for a in jax.tree.leaves(args)),
                  tuple(sorted(static.items())))
     if signature not in _COMPILED:
       start = time.perf_counter()
-      cfg = (self._program_cfg,) if takes_cfg else ()
+      cfg = (self.program_cfg,) if takes_cfg else ()
       with sharding.use_mesh(sharding.mesh_of(args)):
         _COMPILED[signature] = program.lower(*cfg, *args, **static).compile()
       self.stats["compiles"] += 1
