@@ -1,20 +1,45 @@
-"""Run by `aot_test` in an AOT environment (`scripts/aot_env.sh`): compiles a tiny
-Qwen2-shaped learner step (GQA, q/k/v biases) for a target and prints JSON.
+"""Run by `aot_test` in an AOT environment (`scripts/aot_env.sh`); prints JSON.
 
   python -m tests.aot_child TARGET ATTENTION MESH [--unsharded-kernels]
+  python -m tests.aot_child hbm TARGET ...
 
+The first compiles a tiny Qwen2-shaped learner step (GQA, q/k/v biases) for a target;
 `--unsharded-kernels` calls the fused kernel without `shard_map` (what the code did
-before `attention._on_shards`), the case the compilers refused.
+before `attention._on_shards`), the case the compilers refused. The second asks the TPU
+compiler how much HBM a program of each target's chip may use (its refusal of a larger
+one says).
 """
 
 import json
 import sys
 
 
+def hbm(names) -> dict:
+  """GiB per device that the TPU compiler allows a program on each target's chip."""
+  import re  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  found = {}
+  for name in names:
+    device = targets.devices(targets.get(name))[0]
+    too_big = jax.jit(lambda: jnp.ones((2 ** 36,), jnp.float32),  # 256 GiB
+                      out_shardings=jax.sharding.SingleDeviceSharding(device))
+    try:
+      too_big.lower().compile()
+    except Exception as e:  # pylint: disable=broad-except
+      limit = re.search(r"exceeds available HBM \(([\d.]+)G\)", str(e))
+      found[name] = float(limit.group(1)) if limit else str(e)[:300]
+  return found
+
+
 def main(argv) -> None:
-  target_name, attention_name, mesh_shape = argv[1], argv[2], argv[3]
   from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
   targets.prepare_environment()
+  if argv[1] == "hbm":
+    print(json.dumps(hbm(argv[2:])))
+    return
+  target_name, attention_name, mesh_shape = argv[1], argv[2], argv[3]
   from configs import common  # pylint: disable=g-import-not-at-top
   from exgrpo_jax import models  # pylint: disable=g-import-not-at-top
   from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top

@@ -88,7 +88,7 @@ def test_cli_compiles_a_config_and_writes_its_report(tmp_path):
   assert report["model"]["layers"] == 1 and report["model"]["attention"] == "auto"
   assert [p["name"] for p in report["programs"]] == ["learner_step", "score"]
   step = report["programs"][0]
-  assert 0 < step["peak_bytes"] <= step["usable_bytes"] == 95 * 2 ** 30
+  assert 0 < step["peak_bytes"] <= step["usable_bytes"] == int(95.73 * 2 ** 30)
   assert step["flops_per_device"] > step["xla_flops"] > 0  # loops at their trip counts
   assert step["roofline_s"] > 0 and step["collectives"]
 
@@ -115,3 +115,15 @@ def test_cli_refuses_an_unknown_target_with_status_2():
   proc = run_cli("tpu", *SMALL, "--target=v9-8")
   assert proc.returncode == 2
   assert "v9-8" in proc.stderr
+
+
+def test_tpu_targets_use_the_hbm_the_compiler_allows():
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  names = [n for n, t in targets.TARGETS.items() if t.platform == "tpu"]
+  proc = subprocess.run([aot_python("tpu"), "-m", "tests.aot_child", "hbm", *names],
+                        cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(),
+                        capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  allowed = json.loads(proc.stdout.strip().splitlines()[-1])
+  for name in names:
+    assert targets.TARGETS[name].hbm_bytes == int(allowed[name] * 2 ** 30), (name, allowed)

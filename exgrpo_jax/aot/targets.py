@@ -51,10 +51,11 @@ def _gpu(devices, kind, hbm_bytes, tflops, gbps) -> Target:
                 gbps * 1e9, gpu_spec=kind)
 
 
-_V4 = dict(kind="TPU v4", hbm_gib=32, tflops=275, gbps=1228, chip_config="megacore")
-_V5E = dict(kind="TPU v5 lite", hbm_gib=16, tflops=197, gbps=819)
-_V5P = dict(kind="TPU v5", hbm_gib=95, tflops=459, gbps=2765, chip_config="megacore")
-_V6E = dict(kind="TPU v6 lite", hbm_gib=32, tflops=918, gbps=1640)
+# TPU memory: the HBM libtpu 0.0.50 lets a program use ("exceeds available HBM (X G)").
+_V4 = dict(kind="TPU v4", hbm_gib=30.75, tflops=275, gbps=1228, chip_config="megacore")
+_V5E = dict(kind="TPU v5 lite", hbm_gib=15.75, tflops=197, gbps=819)
+_V5P = dict(kind="TPU v5", hbm_gib=95.73, tflops=459, gbps=2765, chip_config="megacore")
+_V6E = dict(kind="TPU v6 lite", hbm_gib=31.24, tflops=918, gbps=1640)
 _H100 = dict(kind="NVIDIA H100 80GB HBM3", hbm_bytes=84942979072, tflops=989, gbps=3352)
 _H200 = dict(kind="NVIDIA H200 141GB HBM3e", hbm_bytes=151397597184, tflops=989, gbps=4800)
 
@@ -143,8 +144,8 @@ def devices(target: Target, target_config: str | None = None, slices: int = 1) -
 
 
 def usable_bytes(target: Target) -> int:
-  """Per-device memory a program may use: the chip's HBM on TPU (the compiler enforces
-  its own limit), JAX's preallocated share on GPU."""
+  """Per-device memory a program may use: on TPU the HBM the compiler allows (and
+  enforces), on GPU JAX's preallocated share of the device's memory."""
   if target.platform == "tpu":
     return target.hbm_bytes
   return int(target.hbm_bytes * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
