@@ -192,3 +192,16 @@ def test_max_new_tokens_beyond_the_context_is_caught_at_start_up():
   run_guard.check_context([100, 56], 156, TINY)
   with pytest.raises(ValueError, match="rollout.max_new_tokens=157 plus the longest prompt"):
     run_guard.check_context([100, 56], 157, TINY)
+
+
+def test_gpu_runs_without_the_planned_memory_fraction_get_one_warning(monkeypatch, capsys):
+  # No GPU here: the backend's name is what the check reads.
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  line = run_guard.warn_gpu_memory_fraction("jax", environ={})
+  assert capsys.readouterr().err.strip() == line
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in line
+  assert run_guard.warn_gpu_memory_fraction(
+      "jax", environ={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}) is None
+  assert run_guard.warn_gpu_memory_fraction("vllm", environ={}) is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert run_guard.warn_gpu_memory_fraction("jax", environ={}) is None

@@ -74,6 +74,25 @@ def check_context(prompt_lengths, max_new_tokens: int, model_cfg) -> None:
                      "data.max_prompt_tokens")
 
 
+# The share of each GPU the configs' meshes and rollout.max_rows were planned for
+# (BUILD.md, "Memory plan"); JAX preallocates 0.75 unless told otherwise.
+PLANNED_GPU_FRACTION = 0.95
+
+
+def warn_gpu_memory_fraction(engine: str, environ=os.environ) -> str | None:
+  """On NVIDIA GPUs with the JAX engine and no XLA_PYTHON_CLIENT_MEM_FRACTION, prints
+  (and returns) one line: JAX's default share is below what the configs assume."""
+  if (engine != "jax" or jax.default_backend() != "gpu"
+      or "XLA_PYTHON_CLIENT_MEM_FRACTION" in environ):
+    return None
+  line = (f"[exgrpo_jax] warning: JAX preallocates 0.75 of each GPU; the configs' mesh and "
+          f"rollout.max_rows are planned for {PLANNED_GPU_FRACTION} (BUILD.md, \"Memory "
+          f"plan\"): set XLA_PYTHON_CLIENT_MEM_FRACTION={PLANNED_GPU_FRACTION} or lower "
+          "rollout.max_rows")
+  print(line, file=sys.stderr, flush=True)
+  return line
+
+
 def truncate_metrics(workdir: str, step: int) -> None:
   """Drops `<workdir>/metrics.jsonl` rows past `step` (the restored checkpoint), which a
   killed or stopped run logged but never checkpointed; the resumed run logs them again."""

@@ -88,6 +88,7 @@ class Trainer:
                                                  st.tokenizer, **options)
     self.grader = grading.Grader(config)
     self.actor = actor_lib.Actor(config, st.model_cfg, st.pad_id)
+    run_guard.warn_gpu_memory_fraction(config.rollout.engine)
     run_guard.truncate_metrics(workdir, st.step)  # one row per step after a resume
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step,
                               loggers=config.train.loggers, config=config.to_dict())
