@@ -41,6 +41,7 @@ def test_paper_defaults():
   assert (c.algo.rho, c.algo.delayed_start, c.algo.shaping_gamma) == (0.5, 0.35, 0.1)
   assert (c.optim.lr, c.optim.weight_decay, c.optim.skip_grad_norm) == (1e-6, 0.01, 500.0)
   assert c.algo.entropy_coeff == 0.001 and c.optim.mini_batches == 2
+  assert (c.eval.every, c.eval.before_train) == (10, False)  # docs/algorithm.md §14
   assert importlib.import_module("configs.llama8b").get_config().algo.delayed_start == 0
 
 

@@ -115,6 +115,10 @@ COMMANDS = [
             expect=r"exgrpo-onpolicy", slow=True),
     Command("python scripts/accelerator_check.py [--smoke]",
             covered="tests/accelerator_check_test.py::test_smoke_runs_every_part"),
+    Command("python -m exgrpo_jax.aot --config=configs/<model>.py --target=h100x8",
+            skip="needs the AOT environments `bash scripts/aot_env.sh` makes (Python 3.12, "
+            "jax[tpu] / jax[cuda13]; the network to make them)"),
+    Command("bash scripts/aot_env.sh", skip=INSTALL),
     Command("pip install \"torch==2.13.0+cpu\"", skip=INSTALL),
     Command("pip install wandb", skip=INSTALL),
     Command("pip install \".[reasoning_gym]\"", skip=INSTALL),

@@ -116,6 +116,7 @@ def test_known_math_verify_limitations_match_the_reference():
 def test_routing_by_data_source():
   assert graders.reward_for_source("arc_c") == MC
   assert graders.reward_for_source("gpqa") == MC
+  assert graders.reward_for_source("mmlu_pro") == MC
   assert graders.reward_for_source("gsm8k") == GSM
   assert graders.reward_for_source("aime") == MV
   assert graders.reward_for_source("DigitalLearningGmbH/MATH-lighteval") == MV
