@@ -115,10 +115,6 @@ COMMANDS = [
             expect=r"exgrpo-onpolicy", slow=True),
     Command("python scripts/accelerator_check.py [--smoke]",
             covered="tests/accelerator_check_test.py::test_smoke_runs_every_part"),
-    Command("python -m exgrpo_jax.aot --config=configs/<model>.py --target=h100x8",
-            skip="needs the AOT environments `bash scripts/aot_env.sh` makes (Python 3.12, "
-            "jax[tpu] / jax[cuda13]; the network to make them)"),
-    Command("bash scripts/aot_env.sh", skip=INSTALL),
     Command("pip install \"torch==2.13.0+cpu\"", skip=INSTALL),
     Command("pip install wandb", skip=INSTALL),
     Command("pip install \".[reasoning_gym]\"", skip=INSTALL),
@@ -193,7 +189,6 @@ COMMANDS = [
     # docs/algorithm.md
     Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
     # docs/reliability.md
-    Command("python -m exgrpo_jax.train", skip="names the tool; README's train commands run it"),
     Command("python scripts/fault_table.py --slow",
             run="{python} scripts/fault_table.py", expect=r"\| kind \| case \|", slow=True),
     # docs/rewards.md
