@@ -220,8 +220,9 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).
 
   The model configs take `mesh_shape` and `max_rows` (`rollout.max_rows`, rows per
-  generate call) from scripts/memory_plan.py for 8 x 80 GiB GPUs; BUILD.md ("Memory
-  plan") gives the flags for TPU slices.
+  generate call) from the compiler's plan for 8 H100s (scripts/aot_plan.py,
+  docs/results/aot_<config>_h100x8.json); BUILD.md ("Memory plan") gives the flags for
+  8 H200s and a TPU v5p-8.
 
   `runlocal` in `arg` shrinks batch and lengths for a quick smoke run of the same model.
   """

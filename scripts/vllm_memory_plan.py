@@ -1,24 +1,28 @@
-r"""JAX / vLLM split of each 80 GiB GPU for the paper configs with rollout.engine=vllm (JSON).
+r"""JAX / vLLM split of each GPU of a node for the paper configs with rollout.engine=vllm (JSON).
 
-  python scripts/vllm_memory_plan.py [--device_gib=80] [--gpus=8]
+  python scripts/vllm_memory_plan.py [--target=h100x8]
 
-With vLLM rollouts JAX no longer samples: per GPU it needs its learner peak (from
-scripts/memory_plan.py, the config's mesh over 8 GPUs) in the learner phase and only the
-resident state (params + AdamW) while vLLM generates. vLLM needs its share of the weights
-in the compute dtype, a working allowance and KV cache
-(`exgrpo_jax.sampling.vllm_setup.plan_split`, the same check the engine runs at start-up).
+With vLLM rollouts JAX no longer samples: per GPU it needs its learner peak in the
+learner phase and only the resident state (params + AdamW, their shards) while vLLM
+generates. The mesh is the one whose learner step the compiler found smallest among
+those the config's AOT plan compiled at its micro-batch
+(docs/results/aot_<config>_<target>.json, "search"; pass it as --config.mesh.shape).
+vLLM needs its share of the weights in the compute dtype, a working allowance and KV
+cache (`exgrpo_jax.sampling.vllm_setup.plan_split`, the same check the engine runs at
+start-up).
 Two ways to share a GPU, for each tensor_parallel_size:
 
   static  JAX's default allocator keeps its pool for the run, so
-          XLA_PYTHON_CLIENT_MEM_FRACTION = learner peak x 1.1 (XLA's temporaries, as
-          memory_plan.py's --usable=0.9) and vLLM gets 0.95 minus that.
+          XLA_PYTHON_CLIENT_MEM_FRACTION = learner peak x 1.1 (room for the allocator's
+          fragmentation) and vLLM gets 0.95 minus that.
   sleep   XLA_PYTHON_CLIENT_ALLOCATOR=platform: JAX returns freed memory and vLLM sleeps
           (level 2) through every JAX phase, so vLLM gets 0.95 minus the resident state x
           1.1, and the learner gets the whole GPU while vLLM sleeps.
 
 `kv_sequences` is how many full-length (prompt + response) sequences the KV cache holds
 at once per vLLM instance; a step's 1024 rows are shared by gpus / tensor_parallel_size
-instances, and vLLM queues what does not fit. Analytical estimates, not measurements.
+instances, and vLLM queues what does not fit. vLLM's side is an analytical estimate
+(vLLM has not run with this code), JAX's the compiler's figures; neither a measurement.
 """
 
 import argparse
@@ -32,11 +36,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
-import memory_plan  # pylint: disable=g-import-not-at-top,wrong-import-position
-from exgrpo_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
-from exgrpo_jax.sampling import vllm_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-HEADROOM = 1.1  # JAX's pool over its planned peak: XLA's own temporaries
+from exgrpo_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.sampling import vllm_setup  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+CONFIGS = ("qwen7b", "qwen1_5b", "llama8b")
+HEADROOM = 1.1  # JAX's pool over the compiler's peak: the allocator's fragmentation
+GIB = 2 ** 30
 
 
 def _fraction(gib: float, device_gib: float) -> float:
@@ -64,27 +76,43 @@ def split(cfg, c, jax_gib: float, device_gib: float, tp: int, jax_keeps: bool) -
               kv_sequences=s.kv_sequences)
 
 
+def resident_gib(c, cfg, mesh_shape) -> float:
+  """Parameters and AdamW moments per device on a (fsdp, tensor) mesh: their shards."""
+  mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), ("fsdp", "tensor"))
+  tx = learner.make_optimizer(c.optim)
+  abstract = models.abstract_params(cfg)
+  shardings = models.param_shardings(cfg, mesh)
+  opt = sharding.abstract(jax.eval_shape(tx.init, abstract),
+                          sharding.optimizer_shardings(tx, abstract, shardings))
+  return (analysis.shard_bytes(sharding.abstract(abstract, shardings))
+          + analysis.shard_bytes(opt)) / GIB
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--device_gib", type=float, default=80)
-  parser.add_argument("--gpus", type=int, default=8)
+  parser.add_argument("--target", default="h100x8", choices=[
+      n for n, t in targets.TARGETS.items() if t.platform == "cuda" and t.devices > 1])
   args = parser.parse_args(argv)
+  device_gib = targets.get(args.target).hbm_bytes / GIB
   report = {}
-  for name, (config_name, hf) in memory_plan.HF_CONFIGS.items():
-    c = importlib.import_module(f"configs.{config_name}").get_config()
-    cfg = models.from_hf_config(hf, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
-                                remat=c.model.remat)
-    tensor = c.mesh.shape[1]
-    learner = memory_plan.plan(cfg, c, args.gpus, tensor, args.device_gib,
-                               gpu=True)["gib_per_device"]
-    resident = learner["params"] + learner["adamw"]
+  for name in CONFIGS:
+    c = importlib.import_module(f"configs.{name}").get_config()
+    cfg = check.model_config(c)
+    with open(os.path.join(REPO, "docs", "results", f"aot_{name}_{args.target}.json"),
+              encoding="utf-8") as f:
+      search = json.load(f)["search"]
+    # JAX only trains here, so the mesh is the one with the smallest learner peak.
+    tensor, peak = min(((s["tensor"], s["device_peak_gib"]["learner_step"]) for s in search
+                        if s["micro_batch_size"] == c.optim.micro_batch_size
+                        and s["device_peak_gib"].get("learner_step")), key=lambda t: t[1])
+    mesh = [targets.get(args.target).devices // tensor, tensor]
+    resident = resident_gib(c, cfg, mesh)
     report[name] = dict(
-        config=f"configs/{config_name}.py", mesh=[args.gpus // tensor, tensor],
-        learner_peak_gib=learner["learner_peak"], resident_gib=round(resident, 2),
+        config=f"configs/{name}.py", target=args.target, device_gib=round(device_gib, 2),
+        mesh=mesh, learner_peak_gib=round(peak, 2), resident_gib=round(resident, 2),
         max_model_len=c.data.max_prompt_tokens + c.rollout.max_new_tokens,
-        static=[split(cfg, c, learner["learner_peak"], args.device_gib, tp, True)
-                for tp in (1, 2, 4)],
-        sleep=[split(cfg, c, resident, args.device_gib, tp, False) for tp in (1, 2, 4)])
+        static=[split(cfg, c, peak, device_gib, tp, True) for tp in (1, 2, 4)],
+        sleep=[split(cfg, c, resident, device_gib, tp, False) for tp in (1, 2, 4)])
   print(json.dumps(report, indent=1))
 
 

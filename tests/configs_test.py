@@ -2,6 +2,7 @@
 
 import glob
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,21 @@ def test_paper_defaults():
   assert c.algo.entropy_coeff == 0.001 and c.optim.mini_batches == 2
   assert (c.eval.every, c.eval.before_train) == (10, False)  # docs/algorithm.md §14
   assert importlib.import_module("configs.llama8b").get_config().algo.delayed_start == 0
+
+
+@pytest.mark.parametrize("name", ["qwen7b", "qwen7b_instruct", "qwen1_5b", "llama8b",
+                                  "llama8b_instruct"])
+def test_paper_configs_take_the_compilers_plan_for_8_h100s(name):
+  """mesh.shape and rollout.max_rows are the settings scripts/aot_plan.py chose for h100x8
+  from the compiler's figures (docs/results/aot_<name>_h100x8.json, BUILD.md)."""
+  path = os.path.join(os.path.dirname(CONFIG_DIR), "docs", "results", f"aot_{name}_h100x8.json")
+  with open(path, encoding="utf-8") as f:
+    plan = json.load(f)
+  c = importlib.import_module(f"configs.{name}").get_config()
+  assert plan["fits"] and c.mesh.shape == (-1, plan["chosen"]["tensor"])
+  assert c.optim.micro_batch_size == plan["chosen"]["micro_batch_size"]
+  rows = c.train.batch_questions * c.rollout.k
+  assert (c.rollout.max_rows or rows) == plan["chosen"]["max_rows"]
 
 
 def test_unknown_variant_is_an_error():
