@@ -25,7 +25,9 @@ import argparse
 import glob
 import importlib
 import json
+import math
 import os
+import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +52,12 @@ def _peaks(report: dict) -> dict:
   """Each program's device peak (GiB), or None where it failed to compile."""
   return {p["name"]: (None if p["error"] else p["device_peak_bytes"] / GIB)
           for p in report["programs"]}
+
+
+def _need(search_entry: dict) -> float:
+  """The GiB per device a failed compile asked for (inf where its error does not say)."""
+  need = re.search(r"([\d.]+) GiB (?:needed|per device)", search_entry["first_failure"])
+  return float(need[1]) if need else math.inf
 
 
 class Planner:
@@ -123,9 +131,13 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
   if like and like["fits"]:
     fitting = [{k: like["chosen"][k] for k in ("tensor", "micro_batch_size", "max_rows")}]
   if not fitting:
-    failure = next((s["first_failure"] for s in reversed(planner.search)
-                    if s["first_failure"]), like and like["verdict"] or "nothing fits")
-    return dict(result, fits=False, verdict=f"{name} does not fit {target}: {failure}")
+    if like:
+      return dict(result, fits=False, verdict=f"{name}, as {like['config']}: {like['verdict']}")
+    least = min((s for s in planner.search if s["first_failure"]), key=_need)
+    return dict(result, fits=False, verdict=(
+        f"{name} does not fit {target} at any mesh or micro-batch; the least: mesh "
+        f"{planner.spec.devices // least['tensor']} x {least['tensor']}, micro-batch "
+        f"{least['micro_batch_size']}: {least['first_failure']}"))
   best = max(fitting, key=lambda c: (c["micro_batch_size"] >= base.optim.micro_batch_size,
                                      c["micro_batch_size"], c["max_rows"], -c["tensor"]))
   final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
@@ -140,20 +152,25 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
 
 def render(paths) -> str:
   """BUILD.md's tables: per config and target, the chosen settings and the compiler's
-  per-device peaks (GiB) of the learner step and the largest rollout program; then the
-  roofline estimate of one training step with them."""
+  per-device peaks (GiB) of the learner step and the largest rollout program, with the
+  verdict of each that does not fit below; then the roofline estimate of one training
+  step with them."""
   lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | learner peak "
            "| rollout peak (program) | usable |", "|---|---|---|---|---|---|---|---|"]
   estimates = ["| config | target | rollout s | old-log-prob recompute s | learner s "
                "| step s |", "|---|---|---|---|---|---|"]
-  for path in sorted(paths):
+  verdicts = []
+  plans = []
+  for path in paths:
     with open(path, encoding="utf-8") as f:
       p = json.load(f)
-    if "config" not in p:  # not a plan (aot_accelerator_learner.json)
-      continue
-    name = p["config"].removeprefix("configs/").removesuffix(".py")
+    if "config" in p:  # not a plan (aot_accelerator_learner.json)
+      plans.append((p["config"].removeprefix("configs/").removesuffix(".py"), p))
+  for name, p in sorted(plans, key=lambda t: (t[0], t[1]["target"])):
     if not p["fits"] or "report" not in p:
-      lines.append(f"| {name} | {p['target']} | {p['verdict']} ||||||")
+      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | "
+                   f"| {p['usable_gib']:.2f} |")
+      verdicts.append(f"- {p['verdict']}")
       continue
     programs = {q["name"]: q for q in p["report"]["programs"]}
     rollout = max((q for q in programs.values() if q["name"] not in ("learner_step", "score")),
@@ -168,7 +185,7 @@ def render(paths) -> str:
     estimates.append(f"| {name} | {p['target']} | {est['rollout_s']:.0f} "
                      f"| {est['old_logp_recompute_s']:.0f} | {est['learner_s']:.0f} "
                      f"| {est['total_s']:.0f} |")
-  return "\n".join(lines + [""] + estimates)
+  return "\n".join(lines + ([""] + verdicts if verdicts else []) + [""] + estimates)
 
 
 def main(argv=None) -> None:

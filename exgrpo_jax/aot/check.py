@@ -49,8 +49,13 @@ def _abstract_outputs(compiled):
 
 
 def _error_line(e: BaseException) -> str:
-  """The compiler's error on one line: its first line, and the exception a wrapped
-  traceback inside it ends in (XLA's custom partitioners report Python errors so)."""
+  """The compiler's error on one line: libtpu's out-of-memory refusal as need > limit;
+  else its first line, and the exception a wrapped traceback inside it ends in (XLA's
+  custom partitioners report Python errors so)."""
+  oom = re.search(r"CompileTimeHbmOom.*?\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)",
+                  str(e))
+  if oom:
+    return f"CompileTimeHbmOom: {oom[1]} GiB needed > {oom[2]} GiB of HBM (libtpu's limit)"
   lines = [l.strip() for l in str(e).splitlines() if l.strip()]
   inner = [l for l in lines[1:] if re.match(r"[\w.]*(Error|Exception): ", l)]
   if inner:
