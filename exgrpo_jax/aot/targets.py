@@ -91,6 +91,10 @@ def prepare_environment() -> None:
   that keeps two processes off one TPU (there is none to share)."""
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")
+  # Else libtpu's start-up looks for this host's slice and logs an INVALID_ARGUMENT error
+  # that reads like a failure; the compile-only topology is given whole in `devices`.
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
