@@ -37,6 +37,7 @@ from exgrpo_jax.sampling import pages
 from exgrpo_jax.sampling import slots as slots_lib
 from exgrpo_jax.training import learner
 from exgrpo_jax.training import padding
+from exgrpo_jax.training import phase
 
 
 @dataclasses.dataclass
@@ -86,7 +87,8 @@ def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
   R = config.rollout.max_new_tokens
   T = padding.prompt_bucket(config.data.max_prompt_tokens) + R
   micro = config.optim.micro_batch_size
-  num_micro = -(-(-(-rows // config.optim.mini_batches)) // micro)
+  per_mini = -(-rows // config.optim.mini_batches)  # as the actor splits a step
+  num_micro = -(-per_mini // micro)
   shapes = dict(tokens_MxBxT=(T, jnp.int32), segment_ids_MxBxT=(T, jnp.int32),
                 index_MxBxR=(R, jnp.int32), mask_MxBxR=(R, bool),
                 old_logp_MxBxR=(R, jnp.float32), adv_MxBxR=(R, jnp.float32),
@@ -111,17 +113,9 @@ def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
       "score", f"log-probs and entropies of {micro} rows x {T} tokens (old-log-prob "
       "recompute, trajectory selection)", learner.score_program(mesh),
       lambda _: (cfg, params, *score_rows, config.train.logprob_chunk),
-      calls=math.ceil(rows / micro) if _recomputes(config) else 0,
+      calls=math.ceil(rows / micro) if phase.recompute_old_logps(config) else 0,
       resident=lambda _: (opt_state,))
   return [step, score], (params, opt_state)
-
-
-def _recomputes(config) -> bool:
-  """Whether pi_old comes from the learner's forward pass (`algo.old_logp_source`)."""
-  source = config.algo.old_logp_source
-  return source == "recompute" or (source == "auto" and (
-      config.model.dtype != "float32" or config.rollout.engine != "jax"
-      or config.rollout.temperature != 1.0))
 
 
 def rollout_key(engine, sampling_cfg, rows: int, prompt_len: int) -> tuple:
