@@ -138,9 +138,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   E = len(engine.eos_ids)
   scalars = tuple(_struct((), dtype, mesh) for dtype in (jnp.float32, jnp.float32, bool)) + (
       _struct((E,), jnp.int32, mesh),)
-  options = dict(max_new_tokens=N, top_k=0 if sampling_cfg.is_greedy else sampling_cfg.top_k,
-                 use_top_p=not sampling_cfg.is_greedy and sampling_cfg.top_p < 1.0,
-                 return_entropy=sampling_cfg.return_entropy)
+  options = sampling_cfg.program_options()
   copy = Program("rollout_copy", "the sampler's copy of the parameters",
                  engine.rollout_copy_program(mesh), lambda _: (learner_state[0],),
                  resident=lambda _: learner_state[1:])

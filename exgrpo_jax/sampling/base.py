@@ -59,6 +59,13 @@ class SamplingConfig:
   def is_greedy(self) -> bool:
     return self.greedy or self.temperature == 0
 
+  def program_options(self) -> dict:
+    """The static options the JAX sampler's decode programs take from these settings."""
+    return dict(max_new_tokens=self.max_new_tokens,
+                top_k=0 if self.is_greedy else self.top_k,
+                use_top_p=not self.is_greedy and self.top_p < 1.0,
+                return_entropy=self.return_entropy)
+
 
 @dataclasses.dataclass
 class RolloutOutput:

@@ -75,10 +75,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       lambda x: jax.device_put(x, sharding.replicated(mesh)))
   scalars = put((np.float32(sampling.temperature), np.float32(sampling.top_p),
                  np.bool_(sampling.is_greedy), np.asarray(engine.eos_ids, np.int32)))
-  options = dict(steps=engine.chunk_steps, max_new_tokens=N,
-                 top_k=0 if sampling.is_greedy else sampling.top_k,
-                 use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
-                 return_entropy=sampling.return_entropy)
+  options = dict(sampling.program_options(), steps=engine.chunk_steps)
   floor = 1 if mesh is None else sharding.batch_shards(mesh)
   table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, floor)
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)

@@ -229,11 +229,7 @@ class JaxEngine:
       rows = sharding.put_batch(rows, mesh)
       scalars = jax.device_put(scalars, sharding.replicated(mesh))
     args = (params, *rows, *scalars)
-    static = dict(max_new_tokens=sampling.max_new_tokens,
-                  top_k=0 if sampling.is_greedy else sampling.top_k,
-                  use_top_p=not sampling.is_greedy and sampling.top_p < 1.0,
-                  return_entropy=sampling.return_entropy,
-                  phases=self.phases(sampling))
+    static = dict(sampling.program_options(), phases=self.phases(sampling))
     result = sharding.to_host(self.compiled(decode.generate, args, static)(*args))
     steps, N = int(result["lengths_B"].max()), sampling.max_new_tokens
     self.stats["decode_steps"] += steps
