@@ -224,9 +224,7 @@ def training_step(config, cfg, mesh) -> list[Program]:
   engine = sampling.make_engine("jax", cfg, None, max_rows=config.rollout.max_rows or None,
                                 scheduler=config.rollout.scheduler)
   rows = config.train.batch_questions * config.rollout.k
-  train_sampling = sampling.SamplingConfig(
-      temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-      top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
+  train_sampling = sampling.SamplingConfig.for_rollout(config.rollout)
   rollout = rollout_programs(engine, cfg, mesh, learner_state, train_sampling, rows,
                              config.train.batch_questions, config.data.max_prompt_tokens)
   programs += rollout

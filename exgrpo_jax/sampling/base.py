@@ -55,6 +55,12 @@ class SamplingConfig:
       raise ValueError("SamplingConfig.stop_strings must be a tuple of non-empty strings, "
                        f"got {self.stop_strings!r}")
 
+  @classmethod
+  def for_rollout(cls, rollout) -> "SamplingConfig":
+    """The training rollouts' settings: a config's `rollout` section."""
+    return cls(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+               max_new_tokens=rollout.max_new_tokens)
+
   @property
   def is_greedy(self) -> bool:
     return self.greedy or self.temperature == 0

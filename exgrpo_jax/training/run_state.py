@@ -88,9 +88,7 @@ class RunState:
     self.stream = data.QuestionStream([p.question for p in self.prompts],
                                       seed=config.train.seed)
     self.buffer = buffer_lib.ExperienceBuffer(self._buffer_config(), seed=config.train.seed)
-    self.sampling_config = sampling.SamplingConfig(
-        temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-        top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens)
+    self.sampling_config = sampling.SamplingConfig.for_rollout(config.rollout)
     # Last: it creates <workdir>/checkpoints, which a refused config must not leave.
     self.store = checkpointing.CheckpointStore(workdir, keep=config.train.keep_checkpoints)
 
