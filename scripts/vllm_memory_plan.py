@@ -38,8 +38,6 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from exgrpo_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
-from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -79,13 +77,8 @@ def split(cfg, c, jax_gib: float, device_gib: float, tp: int, jax_keeps: bool) -
 def resident_gib(c, cfg, mesh_shape) -> float:
   """Parameters and AdamW moments per device on a (fsdp, tensor) mesh: their shards."""
   mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), ("fsdp", "tensor"))
-  tx = learner.make_optimizer(c.optim)
-  abstract = models.abstract_params(cfg)
-  shardings = models.param_shardings(cfg, mesh)
-  opt = sharding.abstract(jax.eval_shape(tx.init, abstract),
-                          sharding.optimizer_shardings(tx, abstract, shardings))
-  return (analysis.shard_bytes(sharding.abstract(abstract, shardings))
-          + analysis.shard_bytes(opt)) / GIB
+  state = learner.abstract_state(cfg, learner.make_optimizer(c.optim), mesh)
+  return analysis.shard_bytes(state) / GIB
 
 
 def main(argv=None) -> None:

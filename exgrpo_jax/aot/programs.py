@@ -27,7 +27,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.sampling import continuous
@@ -77,12 +76,7 @@ def _key_dtype():
 def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
   """The learner's step and the scoring pass; also returns the abstract learner state
   (parameters, optimizer state)."""
-  tx = learner.make_optimizer(config.optim)
-  param_shardings = models.param_shardings(cfg, mesh)
-  abstract = models.abstract_params(cfg)
-  params = sharding.abstract(abstract, param_shardings)
-  opt_state = sharding.abstract(jax.eval_shape(tx.init, abstract),
-                                sharding.optimizer_shardings(tx, abstract, param_shardings))
+  params, opt_state = learner.abstract_state(cfg, learner.make_optimizer(config.optim), mesh)
   rows = config.train.batch_questions * config.rollout.k
   R = config.rollout.max_new_tokens
   T = padding.prompt_bucket(config.data.max_prompt_tokens) + R

@@ -60,6 +60,16 @@ def make_optimizer(optim) -> optax.GradientTransformation:
                   weight_decay=optim.weight_decay))
 
 
+def abstract_state(cfg, tx: optax.GradientTransformation, mesh):
+  """The learner's parameters and `tx`'s state as ShapeDtypeStructs, each sharded on
+  `mesh` as the trainer creates them (`models.param_shardings`)."""
+  abstract = models.abstract_params(cfg)
+  param_shardings = models.param_shardings(cfg, mesh)
+  opt_shardings = sharding.optimizer_shardings(tx, abstract, param_shardings)
+  return (sharding.abstract(abstract, param_shardings),
+          sharding.abstract(jax.eval_shape(tx.init, abstract), opt_shardings))
+
+
 def response_stats(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int):
   """Log-probs and entropies [B, R] (temperature 1) of the tokens the slots score."""
   hidden_BxTxD, _ = models.apply(cfg, params, tokens_BxT, return_hidden=True,

@@ -72,14 +72,10 @@ class RunState:
             f"is not a multiple of the mesh's {sharding.batch_shards(self.mesh)} batch "
             "shards (data x fsdp): every device will compute whole micro-batches",
             file=sys.stderr)
-    self.param_shardings = models.param_shardings(self.model_cfg, self.mesh)
     self._tx = learner.make_optimizer(config.optim)
-    self.opt_shardings = sharding.optimizer_shardings(
-        self._tx, models.abstract_params(self.model_cfg), self.param_shardings)
-    self.params = sharding.abstract(models.abstract_params(self.model_cfg),
-                                    self.param_shardings)
-    self.opt_state = sharding.abstract(jax.eval_shape(self._tx.init, self.params),
-                                       self.opt_shardings)
+    self.params, self.opt_state = learner.abstract_state(self.model_cfg, self._tx, self.mesh)
+    self.param_shardings, self.opt_shardings = sharding.shardings_of(
+        (self.params, self.opt_state))
 
     # Custom rewards register themselves on import; the data loader checks reward names.
     rewards.load_plugins(config.reward.plugins)
