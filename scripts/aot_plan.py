@@ -33,6 +33,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from exgrpo_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
@@ -202,6 +203,10 @@ def main(argv=None) -> None:
     return
   if not (args.config and args.target and args.out):
     parser.error("give --config, --target and --out (or --render FILES)")
+  try:
+    cli.check_writable(args.out)  # before minutes of compiles, not after them
+  except OSError as e:
+    parser.error(str(e))
   targets.prepare_environment()
   name = os.path.basename(args.config).removesuffix(".py")
   like = None
@@ -209,9 +214,8 @@ def main(argv=None) -> None:
     with open(args.like, encoding="utf-8") as f:
       like = json.load(f)
   result = plan(name, args.target, like)
-  with open(args.out, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1)
-    f.write("\n")
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  check.save(result, args.out)
   print(result["verdict"])
 
 
