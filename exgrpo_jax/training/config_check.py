@@ -6,8 +6,9 @@ that do not fit together, unknown names (loss, advantage, reward, template, engi
 trajectory selection), missing files and a data path that the configured source would
 not read (`--config.KEY` typos, which the locked ConfigDict refuses, are named with the
 closest valid key by `exgrpo_jax.config_cli`); `check_data_size` refuses a batch larger
-than the training questions once they are loaded. The mesh is checked by `exgrpo_jax.sharding` when it is built; what a resumed
-run may change, by `resume_check`.
+than the training questions once they are loaded. The mesh is checked by
+`exgrpo_jax.sharding` when it is built; what a resumed run may change, by
+`resume_check`.
 
 A ConfigError is a `cli.UsageError`: the train CLI exits with status 2.
 """
