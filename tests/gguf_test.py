@@ -1,7 +1,9 @@
-"""The NumPy GGUF converter against transformers' PyTorch GGUF path, bit for bit."""
+"""The NumPy GGUF converter against transformers' PyTorch GGUF path, bit for bit, and
+its cache."""
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -10,9 +12,6 @@ from exgrpo_jax import models
 from exgrpo_jax.models import gguf_convert
 from exgrpo_jax.models import loading
 from exgrpo_jax.models import safetensors_io
-
-torch = pytest.importorskip("torch")  # the reference path; the converter itself needs none
-transformers = pytest.importorskip("transformers")
 
 TEXTS = ["Hello world", "  two spaces\n\n\ttab <|im_start|>user\nWhat is 2+3?<|im_end|>\n",
          "ünïcödé 日本語 😀 1234567 \\boxed{\\frac{x^2}{3}} <think>\n</think>"]
@@ -32,6 +31,7 @@ def _reference_dir(path):
 
 def test_tokenizer_and_config_match_transformers(gguf_path, tmp_path):
   import gguf  # pylint: disable=g-import-not-at-top
+  transformers = pytest.importorskip("transformers")
   reader = gguf.GGUFReader(gguf_path)
   meta = {name: field.contents() for name, field in reader.fields.items()}
   gguf_convert.save_tokenizer(meta, str(tmp_path))
@@ -61,6 +61,8 @@ def test_unsupported_architecture_is_one_line():
 
 @pytest.mark.slow
 def test_weights_are_bit_identical_to_transformers(gguf_path, tmp_path):
+  torch = pytest.importorskip("torch")  # the reference path; the converter itself needs none
+  transformers = pytest.importorskip("transformers")
   gguf_convert.convert(gguf_path, str(tmp_path))
   ours = safetensors_io.open_checkpoint(str(tmp_path))
   ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -70,3 +72,16 @@ def test_weights_are_bit_identical_to_transformers(gguf_path, tmp_path):
     mine, theirs = file[name], ref[name].numpy()
     assert mine.dtype == theirs.dtype == np.float32 and mine.shape == theirs.shape, name
     assert np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)), name
+
+
+def test_the_cache_is_shared_by_copies_of_the_same_file(gguf_path, tmp_path, monkeypatch,
+                                                        capfd):
+  monkeypatch.setenv("EXGRPO_JAX_CACHE", str(tmp_path / "cache"))
+  first = loading.gguf_to_hf_dir(gguf_path)
+  assert "converting" in capfd.readouterr().err
+  copy = tmp_path / "another_install" / os.path.basename(gguf_path)
+  copy.parent.mkdir()
+  shutil.copyfile(gguf_path, copy)  # another path, another mtime: a second venv's file
+  assert loading.gguf_to_hf_dir(str(copy)) == first
+  assert "converting" not in capfd.readouterr().err
+  assert os.listdir(tmp_path / "cache" / "gguf") == [os.path.basename(first)]

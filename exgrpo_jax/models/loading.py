@@ -3,8 +3,8 @@
 * HF directory: `config.json` plus `*.safetensors` (single file, or sharded with
   `model.safetensors.index.json`), read tensor by tensor through the key table.
 * `.gguf`: dequantised once (`models/gguf_convert.py`, NumPy, no PyTorch) into a cached
-  float32 HF directory under `$EXGRPO_JAX_CACHE` (default `~/.cache/exgrpo_jax`); later
-  loads read that directory.
+  float32 HF directory under `$EXGRPO_JAX_CACHE` (default `~/.cache/exgrpo_jax`), named
+  by the file's content; later loads of the same file, wherever it lies, read it.
 
 No hub access: a path that is not on disk is an error.
 """
@@ -51,10 +51,12 @@ def cache_root() -> str:
 
 def gguf_to_hf_dir(gguf_path: str) -> str:
   """Dequantises a GGUF file once into a float32 HF directory and returns its path."""
-  st = os.stat(gguf_path)
-  key = hashlib.sha1(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode())
+  # Keyed by content, not path: each install of the same file (a venv, a clone) shares
+  # one 0.5 GB directory instead of adding its own.
+  with open(gguf_path, "rb") as f:
+    key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
   stem = os.path.splitext(os.path.basename(gguf_path))[0]
-  target = os.path.join(cache_root(), "gguf", f"{stem}-{key.hexdigest()[:12]}")
+  target = os.path.join(cache_root(), "gguf", f"{stem}-{key}")
   if os.path.exists(os.path.join(target, "config.json")):
     return target
   print(f"[exgrpo_jax] converting {os.path.basename(gguf_path)} to a cached HF directory "
