@@ -18,6 +18,7 @@ import dataclasses
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -371,11 +372,14 @@ def _check(command: Command, proc: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def readme_workdir(tmp_path_factory):
-  """The README quick start's run, short (the commands that read its workdir use it)."""
+  """The README quick start's run, short (the commands that read its workdir use it);
+  removed after the module: its checkpoints and export are 2 GB."""
   command = COMMANDS[0]
-  workdir = str(tmp_path_factory.mktemp("quickstart") / "runs" / "smollm2")
+  root = tmp_path_factory.mktemp("quickstart")
+  workdir = str(root / "runs" / "smollm2")
   line = command.run.format(python=sys.executable, workdir=workdir)
-  return workdir, command, _run(line)
+  yield workdir, command, _run(line)
+  shutil.rmtree(root)
 
 
 @pytest.mark.parametrize("command", _params("run"))
