@@ -31,6 +31,7 @@ def _reference_dir(path):
 
 def test_tokenizer_and_config_match_transformers(gguf_path, tmp_path):
   import gguf  # pylint: disable=g-import-not-at-top
+  pytest.importorskip("torch")  # transformers reads a GGUF only through PyTorch
   transformers = pytest.importorskip("transformers")
   reader = gguf.GGUFReader(gguf_path)
   meta = {name: field.contents() for name, field in reader.fields.items()}
