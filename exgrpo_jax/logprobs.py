@@ -10,6 +10,9 @@ gradient as much again. Here no pass holds more than about chunk_size x V float3
     across chunks); the hidden-state gradient accumulates in float32 over slices.
 Entropy at temperature tau, in float32:
   z = (h @ W) / tau,   H = logsumexp(z) - sum(softmax(z) * z) = -sum(p log p).
+`token_logprobs_at_two_temperatures` (forward only) also scores the targets at a second
+temperature from each chunk's logits, so the rollout temperature's log-probs cost one
+more logsumexp per chunk, not another matmul.
 """
 
 import functools
@@ -29,8 +32,10 @@ def _logprobs_entropy(h_NxD, w_DxV, targets_N, chunk_size, temperature, compute_
   return _forward(h_NxD, w_DxV, targets_N, chunk_size, temperature, compute_entropy)[:2]
 
 
-def _forward(h_NxD, w_DxV, targets_N, chunk_size, temperature, compute_entropy):
-  """(logp_N, entropy_N or zeros, logsumexp_N), chunked over positions."""
+def _forward(h_NxD, w_DxV, targets_N, chunk_size, temperature, compute_entropy,
+             second_temperature=None):
+  """(logp_N, entropy_N or zeros, logsumexp_N), chunked over positions; with
+  `second_temperature`, also the targets' logp_N at it, from the same logits."""
   n, d = h_NxD.shape
   chunk = min(chunk_size, n)
   num_chunks = -(-n // chunk)
@@ -40,7 +45,8 @@ def _forward(h_NxD, w_DxV, targets_N, chunk_size, temperature, compute_entropy):
 
   def body(carry, xs):
     h_SxD, targets_S = xs
-    z_SxV = _dot_f32(h_SxD, w_DxV) / temperature
+    logits_SxV = _dot_f32(h_SxD, w_DxV)
+    z_SxV = logits_SxV / temperature
     lse_S = jax.nn.logsumexp(z_SxV, axis=-1)
     logp_S = jnp.take_along_axis(z_SxV, targets_S[:, None], axis=-1)[:, 0] - lse_S
     if compute_entropy:
@@ -49,7 +55,12 @@ def _forward(h_NxD, w_DxV, targets_N, chunk_size, temperature, compute_entropy):
       entropy_S = -jnp.sum(jnp.exp(logp_SxV) * logp_SxV, axis=-1)
     else:
       entropy_S = jnp.zeros_like(lse_S)
-    return carry, (logp_S, entropy_S, lse_S)
+    outs = (logp_S, entropy_S, lse_S)
+    if second_temperature is not None:
+      y_SxV = logits_SxV / second_temperature
+      outs += (jnp.take_along_axis(y_SxV, targets_S[:, None], axis=-1)[:, 0]
+               - jax.nn.logsumexp(y_SxV, axis=-1),)
+    return carry, outs
 
   _, outs = jax.lax.scan(body, None, (h_CxSxD, targets_CxS))
   return tuple(x.reshape(-1)[:n] for x in outs)
@@ -119,6 +130,24 @@ def token_logprobs_and_entropy(hidden_BxTxD, unembed_DxV, targets_BxT, *,
       hidden_BxTxD.reshape(B * T, D), unembed_DxV.astype(hidden_BxTxD.dtype),
       targets_BxT.reshape(B * T), chunk_size, temperature, compute_entropy)
   return logp_N.reshape(B, T), entropy_N.reshape(B, T) if compute_entropy else None
+
+
+def token_logprobs_at_two_temperatures(hidden_BxTxD, unembed_DxV, targets_BxT,
+                                       second_temperature: float, *,
+                                       chunk_size: int = 1024, compute_entropy: bool = True):
+  """`token_logprobs_and_entropy` at temperature 1, forward only, and the targets'
+  log-probs at `second_temperature`, from the same logits.
+
+  Returns:
+    (logp_BxT, entropy_BxT or None, second_logp_BxT), float32, without gradients.
+  """
+  B, T, D = hidden_BxTxD.shape
+  logp_N, entropy_N, _, second_N = _forward(
+      jax.lax.stop_gradient(hidden_BxTxD.reshape(B * T, D)),
+      jax.lax.stop_gradient(unembed_DxV.astype(hidden_BxTxD.dtype)),
+      targets_BxT.reshape(B * T), chunk_size, 1.0, compute_entropy, second_temperature)
+  return (logp_N.reshape(B, T), entropy_N.reshape(B, T) if compute_entropy else None,
+          second_N.reshape(B, T))
 
 
 def full_logits_logprobs_and_entropy(hidden_BxTxD, unembed_DxV, targets_BxT,

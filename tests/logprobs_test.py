@@ -63,6 +63,21 @@ def test_chunked_equals_naive_values_and_gradients(chunk_size, temperature):
     np.testing.assert_allclose(g, g_ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("second_temperature", [0.7, 1.3])
+def test_two_temperatures_from_one_pass(second_temperature):
+  """The rollout temperature's log-probs (TIS, docs/algorithm.md §19) beside the
+  temperature-1 ones, against float64 NumPy at each temperature."""
+  hidden, unembed, targets = _random_problem(3)
+  logp, entropy, second = jax.jit(functools.partial(
+      logprobs.token_logprobs_at_two_temperatures, second_temperature=second_temperature,
+      chunk_size=16))(hidden, unembed, targets)
+  for got, want in zip((logp, entropy), _numpy_reference(hidden, unembed, targets)):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+      second, _numpy_reference(hidden, unembed, targets, second_temperature)[0],
+      atol=1e-5, rtol=1e-5)
+
+
 def test_logprobs_only_and_bfloat16_inputs():
   hidden, unembed, targets = _random_problem(2, dtype=jnp.bfloat16)
   logp, entropy = logprobs.token_logprobs_and_entropy(hidden, unembed, targets, chunk_size=8,
