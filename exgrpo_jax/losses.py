@@ -6,6 +6,10 @@ behaviour log-prob recorded at collection on replayed ones; all at temperature 1
   fresh:    -r A, or max(-r A, -clip(r, 1-eps, 1+eps) A) with use_clip;
   replayed: -f(r) A with policy shaping f(w) = w / (w + gamma), never clipped; with
             shaping_gamma=None, the clipped ratio instead ("without policy shaping").
+Truncated importance sampling of the rollout/learner mismatch (`tis_cap` = C > 0; off
+with 0): a fresh token's term is multiplied by the constant w = min(exp(d), C), where
+d = `rollout_log_ratio` = log pi_old - log pi_rollout of the token, both at the rollout
+temperature (docs/algorithm.md §19). Replayed tokens are left as they are.
 Aggregations (by name):
   token_sum_norm:      sum over valid tokens / norm_len (the constant L_max; Dr.GRPO).
   token_mean:          sum over valid tokens / number of valid tokens.
@@ -18,7 +22,9 @@ Metrics are plain names; the trainer prefixes them (e.g. "actor/"): pg_loss, on_
 and off_pg_loss (the fresh and replayed parts of pg_loss; they sum to it), pg_clipfrac and
 off_pg_clipfrac (fraction of fresh / replayed tokens where the clipped term is taken),
 on/off_ratio_mean and on/off_ratio_max, ppo_kl (mean old_logp - logp on fresh tokens) and
-on_tokens / off_tokens.
+on_tokens / off_tokens. Given `rollout_log_ratio`, also mismatch_logp_abs_mean (mean |d|
+on fresh tokens) and mismatch_ratio_max (max exp(d) on them), and with TIS on,
+tis_clipfrac (fraction of fresh tokens whose weight is capped at C).
 
 The registry holds `grpo` (clipped ratio on every token, no shaping) and `exgrpo` (the
 switches as given), both calling `policy_loss`.
@@ -61,11 +67,12 @@ def _masked_max(x, mask):
 
 
 @functools.partial(jax.jit, static_argnames=("clip_eps", "use_clip", "shaping_gamma",
-                                             "norm_len", "aggregation"))
+                                             "norm_len", "aggregation", "tis_cap"))
 def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, is_replay_BxT, *,
                 clip_eps: float = 0.2, use_clip: bool = True,
                 shaping_gamma: float | None = 0.1, norm_len: float = 8192.0,
-                aggregation: str = "token_sum_norm", weight_BxT=None):
+                aggregation: str = "token_sum_norm", weight_BxT=None,
+                rollout_log_ratio_BxT=None, tis_cap: float = 0.0):
   """The ExGRPO mixed policy loss; see the module docstring.
 
   Args:
@@ -80,6 +87,9 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, is_replay_BxT, *,
     norm_len: the constant denominator of `token_sum_norm`.
     aggregation: one of AGGREGATIONS.
     weight_BxT: per-token weights replacing the aggregation's denominators (see above).
+    rollout_log_ratio_BxT: log pi_old - log pi_rollout of each token at the rollout
+      temperature (read on fresh tokens only), or None: no mismatch metrics, no TIS.
+    tis_cap: C of the TIS weight min(exp(rollout_log_ratio), C) on fresh tokens; 0 = off.
 
   Returns:
     (scalar loss, dict of scalar metrics).
@@ -97,6 +107,17 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, is_replay_BxT, *,
   clip_taken_BxT = clipped_BxT > unclipped_BxT
 
   on_loss_BxT = ppo_BxT if use_clip else unclipped_BxT
+  mismatch = {}
+  if rollout_log_ratio_BxT is not None:
+    log_ratio_BxT = jnp.where(on_BxT, rollout_log_ratio_BxT, 0).astype(ratio_BxT.dtype)
+    is_ratio_BxT = jnp.exp(log_ratio_BxT)
+    mismatch = dict(mismatch_logp_abs_mean=_masked_mean(jnp.abs(log_ratio_BxT), on_BxT),
+                    mismatch_ratio_max=_masked_max(is_ratio_BxT, on_BxT))
+    if tis_cap:
+      on_loss_BxT = on_loss_BxT * jax.lax.stop_gradient(jnp.minimum(is_ratio_BxT, tis_cap))
+      mismatch["tis_clipfrac"] = _masked_mean(is_ratio_BxT > tis_cap, on_BxT)
+  elif tis_cap:
+    raise ValueError("tis_cap needs rollout_log_ratio_BxT (the recomputed pi_old)")
   if shaping_gamma is None:
     off_loss_BxT = ppo_BxT
   else:
@@ -121,6 +142,7 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, is_replay_BxT, *,
       ppo_kl=_masked_mean(old_logp_BxT - logp_BxT, on_BxT),
       on_tokens=on_BxT.sum(),
       off_tokens=off_BxT.sum(),
+      **mismatch,
   )
   return loss, metrics
 

@@ -141,6 +141,81 @@ def test_padding_never_changes_loss_or_gradient(use_clip, gamma, aggregation):
   assert (np.asarray(grad_b)[~mask] == 0).all()
 
 
+TIS_CAP = 2.0
+
+
+def _tis_inputs(seed):
+  """Inputs with a rollout log-ratio whose exp lies above and below TIS_CAP on fresh
+  tokens, and garbage (inf, nan) wherever it must not be read."""
+  logp, old, adv, mask, replay = _inputs(seed)
+  on = mask & ~replay
+  log_ratio = np.random.default_rng(seed + 100).normal(0.3, 0.8, (B, T))
+  ratio = np.exp(log_ratio[on])
+  assert (ratio > TIS_CAP).any() and (ratio < 1).any() and ((ratio > 1) & (ratio < TIS_CAP)).any()
+  log_ratio[mask & replay] = 50.0  # replayed tokens keep their own correction
+  log_ratio[~mask] = np.where(np.arange(T) % 2, np.inf, np.nan)[None].repeat(B, 0)[~mask]
+  return logp, old, adv, mask, replay, log_ratio
+
+
+@pytest.mark.parametrize("use_clip,gamma,aggregation", [
+    (True, 0.1, "token_sum_norm"), (False, None, "token_mean"),
+    (False, 0.1, "seq_mean_token_mean")])
+def test_tis_weighs_fresh_tokens_only_and_matches_numpy(use_clip, gamma, aggregation):
+  """w = min(exp(log pi_old - log pi_rollout), C) multiplies each fresh token's term
+  (clipped or not) and nothing else; it is a constant; the metrics are over fresh tokens."""
+  logp, old, adv, mask, replay, log_ratio = _tis_inputs(8)
+  _, token_loss = _reference(logp, old, adv, mask, replay, use_clip, gamma, aggregation)
+  on = mask & ~replay
+  weight = np.where(on, np.minimum(np.exp(np.where(on, log_ratio, 0)), TIS_CAP), 1.0)
+  kw = dict(clip_eps=EPS, use_clip=use_clip, shaping_gamma=gamma, norm_len=NORM_LEN,
+            aggregation=aggregation)
+  with jax.enable_x64(True):
+    loss_fn = lambda lp, lr: losses.policy_loss(lp, old, adv, mask, replay,
+                                                rollout_log_ratio_BxT=lr, tis_cap=TIS_CAP,
+                                                **kw)
+    (loss, metrics), (grad_logp, grad_ratio) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(logp, log_ratio)
+    plain_loss, plain_metrics = losses.policy_loss(logp, old, adv, mask, replay, **kw)
+    off_loss, off_metrics = losses.policy_loss(logp, old, adv, mask, replay,
+                                               rollout_log_ratio_BxT=log_ratio, **kw)
+    (loss, metrics, grad_logp, grad_ratio, plain_loss, plain_metrics, off_loss,
+     off_metrics) = jax.device_get((loss, metrics, grad_logp, grad_ratio, plain_loss,
+                                    plain_metrics, off_loss, off_metrics))
+  np.testing.assert_allclose(loss, _aggregate(token_loss * weight, mask, aggregation),
+                             rtol=1e-10)
+  np.testing.assert_allclose(metrics["on_pg_loss"],
+                             _aggregate(token_loss * weight * on, mask, aggregation),
+                             rtol=1e-10)
+  assert metrics["off_pg_loss"] == plain_metrics["off_pg_loss"]
+  assert (grad_ratio == 0).all()  # the weight is a constant
+  ratio = np.exp(log_ratio[on])
+  assert metrics["mismatch_logp_abs_mean"] == pytest.approx(np.abs(log_ratio[on]).mean())
+  assert metrics["mismatch_ratio_max"] == pytest.approx(ratio.max())
+  assert metrics["tis_clipfrac"] == pytest.approx((ratio > TIS_CAP).mean())
+  # tis_cap = 0: the metrics without the weight.
+  assert off_loss == plain_loss and "tis_clipfrac" not in off_metrics
+  assert off_metrics["mismatch_ratio_max"] == metrics["mismatch_ratio_max"]
+  assert "mismatch_ratio_max" not in plain_metrics
+  if not use_clip:  # d/dlogp of -w r A is -w r A; replayed tokens' as without TIS
+    a, r = adv[:, None], np.exp(logp - old)
+    if aggregation == "token_mean":
+      scale = 1 / mask.sum()
+    else:
+      scale = 1 / (np.maximum(mask.sum(1, keepdims=True), 1) * mask.any(1).sum())
+    fresh = -a * r * weight
+    clipped = (a > 0) & (r > 1 + EPS) | (a < 0) & (r < 1 - EPS)
+    replayed = (np.where(clipped, 0, -a * r) if gamma is None
+                else -a * gamma * r / (r + gamma) ** 2)
+    expected = np.where(replay, replayed, fresh) * scale * mask
+    np.testing.assert_allclose(grad_logp, expected, rtol=1e-10, atol=1e-14)
+
+
+def test_tis_needs_the_rollout_log_ratio():
+  logp, old, adv, mask, replay = _inputs(9, np.float32)
+  with pytest.raises(ValueError, match="tis_cap needs rollout_log_ratio_BxT"):
+    losses.policy_loss(logp, old, adv, mask, replay, tis_cap=TIS_CAP)
+
+
 def test_identical_policies_give_ratio_one_on_fresh_tokens():
   logp, _, adv, mask, replay = _inputs(5, np.float32)
   loss, metrics = losses.policy_loss(logp, logp, adv, mask, replay, clip_eps=EPS,
