@@ -1,11 +1,14 @@
 """A stand-in for the `vllm` package: only the API the vLLM engine calls, recording calls.
 
-Install it with `sys.modules["vllm"] = vllm_stand_in` (vLLM itself needs CUDA). It keeps
-vLLM's documented state rules, so a wrong order fails loudly: `generate` needs the weights
-and KV cache awake, `load_weights` needs the weights awake, `sleep(level=2)` discards the
-weights. Every call is appended to `LLM.calls` as (name, detail); loaded tensors are kept
-as `LLM.loaded[name] = (shape, torch dtype, float32 numpy values)`; `LLM.generated_with`
-is what was loaded when `generate` last ran.
+Used only for what vLLM's CPU build cannot show (tests/vllm_real_test.py runs the real
+one): sleep and wake around the learner (CUDA only), the options the engine passes, and
+two JAX processes splitting the rows through the external launcher. Install it with
+`sys.modules["vllm"] = vllm_stand_in`. It keeps vLLM's documented state rules, so a wrong
+order fails loudly: `generate` needs the weights and KV cache awake, a weight reload needs
+the weights awake, `sleep(level=2)` discards the weights. Every call is appended to
+`LLM.calls` as (name, detail); loaded tensors are kept as `LLM.loaded[name] = (shape,
+torch dtype, float32 numpy values)`; `LLM.generated_with` is what was loaded when
+`generate` last ran.
 
 Generation is a fixed function of the prompt, the sample's index and the request seed
 (no model), so outputs do not depend on which process generated them.
@@ -26,21 +29,30 @@ class SamplingParams:
     self.__dict__.update(kwargs)
 
 
-class _Model:
-  """The worker's model: `load_weights` takes (HF name, torch tensor) pairs."""
+class _Worker:
+  """The in-process worker: vLLM's in-place reload of (HF name, torch tensor) pairs."""
 
   def __init__(self, llm):
     self.llm = llm
+    head = types.SimpleNamespace()
+    head.quant_method = types.SimpleNamespace(
+        process_weights_after_loading=lambda layer: llm.calls.append(("refresh_head", None)))
+    model = types.SimpleNamespace(lm_head=head)
+    self.model_runner = types.SimpleNamespace(model=model, get_model=lambda: model,
+                                              reload_weights=self.reload_weights)
 
-  def load_weights(self, weights):
+  def reload_weights(self, weights_iterator=None, weights_path=None,
+                     is_checkpoint_format=True):
+    del weights_path
+    assert is_checkpoint_format
     if "weights" in self.llm.asleep:
-      raise RuntimeError("load_weights while the weights are asleep")
+      raise RuntimeError("reload_weights while the weights are asleep")
     names = []
-    for name, tensor in weights:
+    for name, tensor in weights_iterator:
       self.llm.loaded[name] = (tuple(tensor.shape), tensor.dtype,
                                tensor.float().numpy().copy())
       names.append(name)
-    self.llm.calls.append(("load_weights", names))
+    self.llm.calls.append(("reload_weights", names))
 
 
 def _token(prompt, sample: int, seed: int, step: int, vocab: int) -> int:
@@ -58,7 +70,9 @@ class LLM:
       self.vocab = json.load(f)["vocab_size"]
     self.calls = [("LLM", self.kwargs)]
     self.asleep, self.loaded = set(), {}
-    self.worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=_Model(self)))
+    self.worker = _Worker(self)
+    self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(
+        shutdown=lambda: self.calls.append(("shutdown", None))))
     INSTANCES.append(self)
 
   def collective_rpc(self, method, timeout=None, args=(), kwargs=None):

@@ -20,7 +20,7 @@ def main() -> None:
   from tests import sampling_vllm_test as t  # pylint: disable=g-import-not-at-top
   from tests import vllm_stand_in  # pylint: disable=g-import-not-at-top
   sys.modules["vllm"] = vllm_stand_in
-  vllm_engine.check_available = lambda: None
+  vllm_engine.check_available = lambda: "cuda"
   vllm_engine._device_bytes = lambda rank: 80 * vllm_setup.GIB  # pylint: disable=protected-access
   params = t.tiny_params()  # sharded over both processes' devices
   engine = t.make(t.TINY)
@@ -30,7 +30,7 @@ def main() -> None:
   print(json.dumps(dict(
       env=llm.env, backend=llm.kwargs.get("distributed_executor_backend"),
       seed=llm.kwargs["seed"], generated=[d for k, d in llm.calls if k == "generate"][0],
-      loaded=[n for k, names in llm.calls if k == "load_weights" for n in names],
+      loaded=[n for k, names in llm.calls if k == "reload_weights" for n in names],
       loaded_sums={n: float(v[2].astype("float64").sum()) for n, v in llm.generated_with.items()},
       tokens=out.tokens_NxT.tolist(), prompt_index=out.prompt_index_N.tolist(),
       logprobs=out.logprobs_NxT.tolist(), texts=out.texts)))

@@ -97,6 +97,10 @@ class RolloutEngine(Protocol):
   def update_weights(self, params) -> None:
     ...
 
+  def close(self) -> None:
+    """Releases what the engine holds; it cannot generate afterwards."""
+    ...
+
 
 def make_engine(name: str, model_cfg, tokenizer, **options) -> RolloutEngine:
   """Builds the engine registered as `name` ("jax" or "vllm")."""

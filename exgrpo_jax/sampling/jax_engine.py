@@ -134,6 +134,9 @@ class JaxEngine:
     """Nothing to do: the current params are an argument of every call."""
     del params
 
+  def close(self) -> None:
+    """Nothing to release: the compiled programs stay cached for the process."""
+
   def generate(self, prompt_ids, n, params, key, sampling: base.SamplingConfig):
     """See `base.RolloutEngine`; `n` is an int or one count per prompt."""
     counts = base.sample_counts(prompt_ids, n)

