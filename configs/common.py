@@ -123,8 +123,15 @@ def base_config() -> ml_collections.ConfigDict:
       # pi_old of fresh tokens and the behaviour log-probs stored in the buffer:
       # rollout (the sampler's), recompute (the learner's forward pass at temperature 1),
       # auto (recompute whenever the rollout's numerics differ from the learner's:
-      # model.dtype != float32, an engine other than jax, or rollout.temperature != 1).
+      # model.dtype != float32, an engine other than jax, or rollout.temperature != 1;
+      # and whenever tis_cap is on).
       old_logp_source="auto",
+      # Truncated importance sampling of the rollout/learner mismatch (docs/algorithm.md
+      # §19; verl's tis_imp_ratio_cap, not in the paper): a cap C > 1 multiplies each
+      # fresh token's loss by min(pi_old / pi_rollout, C), both at the rollout
+      # temperature; 0 or None = off. Needs the recomputed pi_old (refused with
+      # old_logp_source=rollout).
+      tis_cap=0.0,
   ))
 
   c.replay = ml_collections.ConfigDict(dict(

@@ -291,8 +291,8 @@ def logprob_gap(ctx: Context, deadline: Deadline) -> dict:
                           sampling.SamplingConfig(max_new_tokens=sz.gap_new_tokens))
     responses = [out.tokens_NxT[i, :n] for i, n in enumerate(out.lengths_N)]
     actor = actor_lib.Actor(config, cfg, subject.tokenizer.pad_token_id)
-    learner_logp = actor.score(subject.params, [(prompts[p], r) for p, r in
-                                                zip(out.prompt_index_N, responses)])
+    learner_logp, _ = actor.score(subject.params, [(prompts[p], r) for p, r in
+                                                   zip(out.prompt_index_N, responses)])
     delta = np.concatenate([out.logprobs_NxT[i, :len(lp)] - lp
                             for i, lp in enumerate(learner_logp)])
     rows.append(dict(dtype=dtype, tokens=int(delta.size),

@@ -67,6 +67,11 @@ def test_shipped_configs_pass(name, variant):
     ("replay.bucketing", "reward_mean",
      r"config.replay.bucketing='reward_mean': must be one of correct_count, reward_std"),
     ("replay.sigma", 0.0, r"config.replay.sigma=0.0: must be a number in \(0, inf\]"),
+    ("algo.tis_cap", 1.0, r"config.algo.tis_cap=1.0: must be 0 or None \(off\) or a finite "
+                          r"number above 1"),
+    ("algo.tis_cap", -2.0, r"config.algo.tis_cap=-2.0: must be 0 or None"),
+    ("algo.tis_cap", float("inf"), r"config.algo.tis_cap=inf: must be 0 or None"),
+    ("algo.tis_cap", float("nan"), r"config.algo.tis_cap=nan: must be 0 or None"),
 ])
 def test_bad_value_is_one_clear_error(key, value, message):
   c = _config()
@@ -127,6 +132,21 @@ def test_rollout_log_probs_need_temperature_one():
                      match=r"config.algo.old_logp_source='rollout': needs "
                            r"rollout.temperature=1, not 0.7"):
     config_check.check(c)
+
+
+def test_tis_needs_the_recomputed_old_log_probs():
+  c = _config()
+  c.algo.tis_cap = 2.0
+  config_check.check(c)  # `auto` then recomputes (training/phase.py)
+  c.algo.tis_cap = None  # off, as 0 is
+  config_check.check(c)
+  c.algo.tis_cap = 2.0
+  c.algo.old_logp_source = "rollout"
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  assert str(e.value) == ("config.algo.tis_cap=2.0: needs the learner's recomputed old "
+                          "log-probs; algo.old_logp_source='rollout' has none (use auto or "
+                          "recompute)")
 
 
 @pytest.mark.parametrize("key, value, reason", [

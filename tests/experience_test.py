@@ -53,10 +53,10 @@ def test_picks_lowest_mean_entropy_under_current_policy(setup):
     assert rep.num_candidates == len(candidates)
     means = []
     for traj in candidates:  # each alone: batch of one, its own padding
-      _, ent, mask = experience.score_rows(
+      s = experience.score_rows(
           [(PROMPTS[qid], np.asarray(traj.token_ids), None)], cfg=CFG, params=params,
           max_new_tokens=R, batch_size=1, pad_id=0, chunk=4)
-      means.append(float((ent * mask).sum() / mask.sum()))
+      means.append(float((s.entropy_SxR * s.mask_SxR).sum() / s.mask_SxR.sum()))
     best = candidates[int(np.argmin(means))]
     np.testing.assert_array_equal(rep.tokens, best.token_ids)
     np.testing.assert_array_equal(rep.behaviour_logp, best.logps)
@@ -68,10 +68,11 @@ def test_single_candidate_is_not_scored_unless_needed(setup):
   assert lean[1].num_candidates == 1 and lean[1].current_logp is None
   assert all(r.current_logp is not None for r in full)
   for rep in full:  # current log-probs: the same tokens scored alone
-    logp, _, mask = experience.score_rows(
+    s = experience.score_rows(
         [(PROMPTS[rep.question_id], rep.tokens, None)], cfg=CFG, params=params,
         max_new_tokens=R, batch_size=1, pad_id=0, chunk=4)
-    np.testing.assert_allclose(rep.current_logp, logp[0, :int(mask.sum())], atol=1e-5)
+    np.testing.assert_allclose(rep.current_logp, s.logp_SxR[0, :int(s.mask_SxR.sum())],
+                               atol=1e-5)
   for a, b in zip(lean, full):
     np.testing.assert_array_equal(a.tokens, b.tokens)
 

@@ -35,7 +35,7 @@ ENTROPY_COEFF = 0.1
 def _algo(aggregation):
   return learner.frozen(ml_collections.ConfigDict(dict(
       loss="exgrpo", clip_eps=EPS, shaping_gamma=GAMMA, norm_len=R,
-      aggregation=aggregation, entropy_coeff=ENTROPY_COEFF)))
+      aggregation=aggregation, entropy_coeff=ENTROPY_COEFF, tis_cap=0.0)))
 
 
 def _responses():

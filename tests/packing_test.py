@@ -74,7 +74,7 @@ def test_packed_scores_match_padded():
   rows = [(p, r, None) for p, r in zip(prompts, responses)]
   score = lambda pack: experience.score_rows(rows, cfg=cfg, params=params, max_new_tokens=R,
                                              batch_size=4, pad_id=0, chunk=5, pack=pack)
-  (logp, ent, mask), (logp_ref, ent_ref, mask_ref) = score(True), score(False)
-  np.testing.assert_array_equal(mask, mask_ref)
-  np.testing.assert_allclose(logp, logp_ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(ent, ent_ref, rtol=1e-5, atol=1e-5)
+  packed, padded = score(True), score(False)
+  np.testing.assert_array_equal(packed.mask_SxR, padded.mask_SxR)
+  np.testing.assert_allclose(packed.logp_SxR, padded.logp_SxR, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packed.entropy_SxR, padded.entropy_SxR, rtol=1e-5, atol=1e-5)

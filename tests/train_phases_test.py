@@ -49,6 +49,7 @@ def test_clipping_switches_with_the_phase():
     ({"rollout.engine": "vllm"}, True),
     ({"model.dtype": "bfloat16", "algo.old_logp_source": "rollout"}, False),
     ({"algo.old_logp_source": "recompute"}, True),
+    ({"algo.tis_cap": 2.0}, True),  # TIS weighs the rollout against the recompute
 ])
 def test_old_logp_source(overrides, recompute):
   config = trainer_test.tiny.get_config()
@@ -74,11 +75,11 @@ def _trainer(tmp_path, engine=None, **overrides):
 def _teacher_forced(trainer, params, prompt_ids, tokens_list):
   """Temperature-1 log-probs of each response, one sequence per row (no packing)."""
   st = trainer.state
-  logp, _, mask = experience.score_rows(
+  s = experience.score_rows(
       [(p, t, None) for p, t in zip(prompt_ids, tokens_list)], cfg=st.model_cfg,
       params=params, max_new_tokens=trainer.config.rollout.max_new_tokens, batch_size=8,
       pad_id=st.pad_id, chunk=8, pack=False)
-  return [np.asarray(lp)[:int(m.sum())] for lp, m in zip(logp, mask)]
+  return [lp[:int(m.sum())] for lp, m in zip(s.logp_SxR, s.mask_SxR)]
 
 
 def test_buffer_stores_temperature_one_behaviour_logps(tmp_path):
@@ -110,6 +111,21 @@ def test_bfloat16_fresh_ratio_is_one_at_step_start(tmp_path):
     np.testing.assert_allclose(metrics["actor/on_ratio_mean"], 1.0, rtol=0, atol=1e-6)
     np.testing.assert_allclose(metrics["actor/on_ratio_max"], 1.0, rtol=0, atol=1e-6)
     np.testing.assert_allclose(metrics["actor/ppo_kl"], 0.0, atol=1e-6)
+  finally:
+    trainer.close()
+
+
+def test_mismatch_compares_the_rollout_temperature_on_both_sides(tmp_path):
+  """At T = 0.7 (float32) pi_old is recomputed at temperature 1, and the mismatch
+  metrics, logged with TIS off, set the sampler's log-probs against the learner's at
+  0.7 from the same pass: about 0 (2e-7 nats), where the learner's temperature-1
+  log-probs would be off by 0.05 nats on average on this near-uniform random model."""
+  trainer = _trainer(tmp_path, rollout__temperature=0.7, optim__mini_batches=1)
+  try:
+    metrics = trainer.train_step()
+    assert metrics["actor/on_tokens"] > 0 and "actor/tis_clipfrac" not in metrics
+    assert metrics["actor/mismatch_logp_abs_mean"] < 1e-5
+    np.testing.assert_allclose(metrics["actor/mismatch_ratio_max"], 1.0, atol=1e-4)
   finally:
     trainer.close()
 

@@ -50,9 +50,10 @@ class ScriptedEngine:
         responses.append(resp[:sampling.max_new_tokens - 1] + [st.tokenizer.eos_token_id])
         prompts.append(ids)
         index.append(i)
-    logp, _, _ = experience.score_rows(
+    logp = experience.score_rows(
         [(p, r, None) for p, r in zip(prompts, responses)], cfg=st.model_cfg, params=params,
-        max_new_tokens=sampling.max_new_tokens, batch_size=8, pad_id=st.pad_id, chunk=8)
+        max_new_tokens=sampling.max_new_tokens, batch_size=8, pad_id=st.pad_id,
+        chunk=8).logp_SxR
     lengths = np.array([len(r) for r in responses])
     tokens = np.full((len(responses), sampling.max_new_tokens), st.pad_id, np.int32)
     for i, r in enumerate(responses):
@@ -62,14 +63,28 @@ class ScriptedEngine:
                             st.pad_id)
 
 
-def run(workdir, steps, variant="exgrpo", **overrides):
+class MismatchedEngine(ScriptedEngine):
+  """Reports the learner's log-probs minus DELTAS (cycled over each response's tokens),
+  as an engine with other kernels might: log pi_old - log pi_rollout is DELTAS."""
+
+  DELTAS = np.array([1.0, -0.5, 0.2])  # ratios e (above a cap of 2), 0.61, 1.22
+
+  def generate(self, prompt_ids, n, params, key, sampling):
+    out = super().generate(prompt_ids, n, params, key, sampling)
+    self.lengths_N = out.lengths_N
+    delta_T = self.DELTAS[np.arange(out.logprobs_NxT.shape[1]) % len(self.DELTAS)]
+    out.logprobs_NxT = np.where(out.mask_NxT, out.logprobs_NxT - delta_T, 0)
+    return out
+
+
+def run(workdir, steps, variant="exgrpo", engine=None, **overrides):
   config = tiny.get_config(variant)
   config.train.steps = steps
   config.train.checkpoint_every = 1
   for key, value in overrides.items():
     section, name = key.split("__")
     config[section][name] = value
-  engine = ScriptedEngine()
+  engine = engine or ScriptedEngine()
   trainer = trainer_lib.Trainer(config, str(workdir), engine=engine)
   engine.state = trainer.state
   trainer.run()
@@ -93,10 +108,29 @@ def test_replay_path_is_exercised(exgrpo_run):
   assert retired <= set(trainer.state.stream.state_dict()["retired"])
   for r in rows:
     assert np.isfinite(r["actor/pg_loss"]) and r["actor/skipped"] == 0
+    # float32 at T = 1: pi_old is the rollout's, so there is no mismatch to measure.
+    assert not [k for k in r if "mismatch" in k or "tis_" in k]
     # Replayed members are correct: solved = (fresh correct + replays) / all members.
     n, n_replay = 4 * 4, r["experience/batch_size"]
     np.testing.assert_allclose(r["batch/solved"] * n,
                                r["batch/fresh_solved"] * (n - n_replay) + n_replay)
+
+
+def test_rollout_mismatch_metrics_and_tis_clipping_are_logged(tmp_path):
+  """With TIS on, each step logs the mismatch of its fresh tokens (here exactly the
+  engine's DELTAS) and the share of them whose weight the cap clips."""
+  engine = MismatchedEngine()
+  _, rows = run(tmp_path, steps=1, engine=engine, algo__tis_cap=2.0, train__export_dir="")
+  T = tiny.get_config().rollout.max_new_tokens
+  delta_NxT = np.stack([MismatchedEngine.DELTAS[np.arange(T) % 3]] * len(engine.lengths_N))
+  fresh_NxT = np.arange(T) < engine.lengths_N[:, None]  # step 1 replays nothing
+  m = rows[0]
+  assert m["actor/on_tokens"] == fresh_NxT.sum()
+  np.testing.assert_allclose(m["actor/mismatch_logp_abs_mean"],
+                             np.abs(delta_NxT[fresh_NxT]).mean(), rtol=1e-4)
+  np.testing.assert_allclose(m["actor/mismatch_ratio_max"], np.e, rtol=1e-4)
+  np.testing.assert_allclose(m["actor/tis_clipfrac"], (delta_NxT[fresh_NxT] == 1).mean(),
+                             rtol=1e-6)
 
 
 def test_onpolicy_never_replays_stores_or_retires(tmp_path):

@@ -87,6 +87,9 @@ def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
                 index_MxBxR=(R, jnp.int32), mask_MxBxR=(R, bool),
                 old_logp_MxBxR=(R, jnp.float32), adv_MxBxR=(R, jnp.float32),
                 is_replay_MxBxR=(R, bool), weight_MxBxR=(R, jnp.float32))
+  recompute = phase.recompute_old_logps(config)
+  if recompute:  # as `Actor.update` builds the batch
+    shapes["rollout_log_ratio_MxBxR"] = (R, jnp.float32)
   batch = sharding.placed(learner.TrainBatch(**{
       name: jax.ShapeDtypeStruct((num_micro, micro, n), dtype)
       for name, (n, dtype) in shapes.items()}), mesh, batch_dim=1)
@@ -103,11 +106,12 @@ def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
                                 jax.ShapeDtypeStruct((micro, T), jnp.int32),
                                 jax.ShapeDtypeStruct((micro, R), jnp.int32)), mesh)
   # Old log-probs are recomputed for every fresh response (one row each at worst).
+  temperature = phase.rollout_logp_temperature(config.rollout)
   score = Program(
       "score", f"log-probs and entropies of {micro} rows x {T} tokens (old-log-prob "
       "recompute, trajectory selection)", learner.score_program(mesh),
-      lambda _: (cfg, params, *score_rows, config.train.logprob_chunk),
-      calls=math.ceil(rows / micro) if phase.recompute_old_logps(config) else 0,
+      lambda _: (cfg, params, *score_rows, config.train.logprob_chunk, temperature),
+      calls=math.ceil(rows / micro) if recompute else 0,
       resident=lambda _: (opt_state,))
   return [step, score], (params, opt_state)
 

@@ -13,6 +13,7 @@ than the training questions once they are loaded. The mesh is checked by
 A ConfigError is a `cli.UsageError`: the train CLI exits with status 2.
 """
 
+import math
 import os
 
 from exgrpo_jax import advantages
@@ -144,6 +145,14 @@ def check(c) -> None:
   _require(a.old_logp_source != "rollout" or r.temperature == 1, "algo.old_logp_source",
            a.old_logp_source, f"needs rollout.temperature=1, not {r.temperature} (the "
            "rollout's log-probs are of the temperature-scaled distribution)")
+  cap = a.tis_cap
+  _require(cap is None or isinstance(cap, (int, float)) and not isinstance(cap, bool)
+           and (cap == 0 or 1 < cap < math.inf), "algo.tis_cap", cap,
+           "must be 0 or None (off) or a finite number above 1 (the cap C of the TIS "
+           "weight)")
+  _require(not cap or a.old_logp_source != "rollout", "algo.tis_cap", cap,
+           "needs the learner's recomputed old log-probs; algo.old_logp_source='rollout' "
+           "has none (use auto or recompute)")
 
   _require(c.replay.k == r.k, "replay.k", c.replay.k,
            f"must equal rollout.k={r.k} (it is derived from it; override rollout.k)")

@@ -21,6 +21,16 @@ from exgrpo_jax.training import padding
 
 
 @dataclasses.dataclass
+class Scores:
+  """`score_rows`' per-sequence results [S, R], zero after each response."""
+
+  logp_SxR: np.ndarray     # float32, temperature 1
+  entropy_SxR: np.ndarray  # float32, temperature 1
+  mask_SxR: np.ndarray     # bool: the response's tokens
+  rollout_logp_SxR: np.ndarray | None = None  # float32, at the rollout temperature
+
+
+@dataclasses.dataclass
 class Replay:
   """A replayed question with its chosen trajectory."""
 
@@ -34,12 +44,14 @@ class Replay:
 def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: str,
                    max_new_tokens: int, batch_size: int, pad_id: int, chunk: int,
                    rng: np.random.Generator, need_current_logp: bool = False,
-                   pack: bool = True) -> list[Replay]:
+                   pack: bool = True, rollout_temperature: float | None = None
+                   ) -> list[Replay]:
   """Scores the candidates of each question and picks one per question by `rule`.
 
   `need_current_logp` scores every chosen trajectory (the no-IS ablation uses its
   current log-probs); otherwise single-candidate questions skip the forward pass.
-  `pack` packs the scored sequences into rows (`score_rows`).
+  `pack` packs the scored sequences into rows, and `rollout_temperature` is passed on
+  so this scoring runs the same compiled program as the old log-probs' (`score_rows`).
   """
   rows, owners, counts = [], [], []
   for qi, qid in enumerate(question_ids):
@@ -52,9 +64,10 @@ def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: st
   owners = np.asarray(owners)
   scored = [i for i, qi in enumerate(owners) if counts[qi] > 1 or need_current_logp]
   if scored:
-    logp_NxR, entropy_NxR, mask_NxR = score_rows(
+    scores = score_rows(
         [rows[i] for i in scored], cfg=cfg, params=params, max_new_tokens=max_new_tokens,
-        batch_size=batch_size, pad_id=pad_id, chunk=chunk, pack=pack)
+        batch_size=batch_size, pad_id=pad_id, chunk=chunk, pack=pack,
+        rollout_temperature=rollout_temperature)
   position = {row: j for j, row in enumerate(scored)}
   choose = selection.SELECTIONS.get(rule)
   replays = []
@@ -64,9 +77,9 @@ def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: st
       best, current = idx[0], None
     else:
       j = np.array([position[i] for i in idx])
-      pick = choose(entropy_NxR[j], mask_NxR[j], rng=rng)
+      pick = choose(scores.entropy_SxR[j], scores.mask_SxR[j], rng=rng)
       best = idx[pick]
-      current = logp_NxR[j[pick], :int(mask_NxR[j[pick]].sum())]
+      current = scores.logp_SxR[j[pick], :int(scores.mask_SxR[j[pick]].sum())]
     replays.append(Replay(int(qid), rows[best][1], rows[best][2], current, len(idx)))
   return replays
 
@@ -76,8 +89,10 @@ def _batch_size_for(remaining: int, batch_size: int) -> int:
   return min(batch_size, 1 << max(remaining - 1, 0).bit_length())
 
 
-def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk, pack=True):
-  """Log-probs, entropies and masks [N, R] of (prompt, response, _) rows.
+def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk, pack=True,
+               rollout_temperature: float | None = None) -> Scores:
+  """Log-probs, entropies and masks [S, R] of (prompt, response, _) rows, and with
+  `rollout_temperature` their log-probs at it too, from the same forward pass.
 
   The sequences are packed (`packing`; one per row with pack=False) into rows scored
   `batch_size` at a time.
@@ -88,17 +103,20 @@ def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk, 
                          pack)
   # Room for the last batch, which rounds up to a power of two.
   packed = packing.rows(layout, prompts, responses, layout.num_rows + batch_size, pad_id)
-  logps, ents = [], []
+  logps, ents, rollout_logps = [], [], []
   start = 0
   while start < layout.num_rows:
     size = _batch_size_for(layout.num_rows - start, batch_size)
     batch = slice(start, start + size)
     start += size
-    logp, ent = learner.score_responses(cfg, params, packed.tokens_NxT[batch],
-                                        packed.segment_ids_NxT[batch],
-                                        packed.index_NxR[batch], chunk)
+    logp, ent, rollout_logp = learner.score_responses(
+        cfg, params, packed.tokens_NxT[batch], packed.segment_ids_NxT[batch],
+        packed.index_NxR[batch], chunk, rollout_temperature)
     logps.append(np.asarray(logp))
     ents.append(np.asarray(ent))
-  mask = np.arange(max_new_tokens) < layout.length_S[:, None]
-  return (packing.from_slots(layout, np.concatenate(logps)),
-          packing.from_slots(layout, np.concatenate(ents)), mask)
+    if rollout_logp is not None:
+      rollout_logps.append(np.asarray(rollout_logp))
+  per_sequence = lambda parts: packing.from_slots(layout, np.concatenate(parts))
+  return Scores(per_sequence(logps), per_sequence(ents),
+                np.arange(max_new_tokens) < layout.length_S[:, None],
+                per_sequence(rollout_logps) if rollout_logps else None)

@@ -21,6 +21,10 @@ class Response:
   `algo.old_logp_source`), which is also what the buffer stores as its behaviour
   log-probs; for the replayed member, the behaviour log-probs recorded at collection
   (or, in the no-IS ablation, the current policy's).
+
+  `rollout_log_ratio` is, for a fresh response whose pi_old was recomputed, log pi_old -
+  log pi_rollout per token, both at the rollout temperature (the rollout/learner
+  mismatch; docs/algorithm.md §19); None otherwise.
   """
 
   tokens: np.ndarray          # int32 [L], EOS included
@@ -28,6 +32,7 @@ class Response:
   text: str
   is_replay: bool = False
   truncated: bool = False
+  rollout_log_ratio: np.ndarray | None = None  # float32 [L]
 
 
 @dataclasses.dataclass

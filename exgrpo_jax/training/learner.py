@@ -51,6 +51,10 @@ class TrainBatch:
   adv_MxBxR: jax.Array          # float32: the slot's sequence's advantage
   is_replay_MxBxR: jax.Array    # bool
   weight_MxBxR: jax.Array       # float32: the slot's weight in the policy loss
+  # float32: log pi_old - log pi_rollout at the rollout temperature (fresh slots; 0
+  # elsewhere), for the rollout-mismatch metrics and `algo.tis_cap`; None when pi_old
+  # is not recomputed.
+  rollout_log_ratio_MxBxR: jax.Array | None = None
 
 
 def make_optimizer(optim) -> optax.GradientTransformation:
@@ -70,18 +74,39 @@ def abstract_state(cfg, tx: optax.GradientTransformation, mesh):
           sharding.abstract(jax.eval_shape(tx.init, abstract), opt_shardings))
 
 
-def response_stats(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int):
-  """Log-probs and entropies [B, R] (temperature 1) of the tokens the slots score."""
+def _slots(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR):
+  """The hidden states [B, R, D] the slots are scored from, and their targets [B, R]."""
   hidden_BxTxD, _ = models.apply(cfg, params, tokens_BxT, return_hidden=True,
                                  segment_ids_BxT=segment_ids_BxT)
   hidden_BxRxD = jnp.take_along_axis(hidden_BxTxD, index_BxR[..., None], axis=1)
-  targets_BxR = jnp.take_along_axis(tokens_BxT, index_BxR + 1, axis=1)
+  return hidden_BxRxD, jnp.take_along_axis(tokens_BxT, index_BxR + 1, axis=1)
+
+
+def response_stats(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int):
+  """Log-probs and entropies [B, R] (temperature 1) of the tokens the slots score."""
+  hidden_BxRxD, targets_BxR = _slots(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR)
   return logprobs.token_logprobs_and_entropy(
       hidden_BxRxD, models.unembedding(cfg, params), targets_BxR, chunk_size=chunk)
 
 
-def score_responses(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int):
-  """`response_stats` without gradients (old log-probs, trajectory selection).
+def score_stats(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int,
+                rollout_temperature: float | None = None):
+  """`response_stats` without gradients, and the log-probs [B, R] at
+  `rollout_temperature` from the same logits (None when not given)."""
+  if rollout_temperature is None:
+    logp_BxR, entropy_BxR = response_stats(cfg, params, tokens_BxT, segment_ids_BxT,
+                                           index_BxR, chunk)
+    return logp_BxR, entropy_BxR, None
+  hidden_BxRxD, targets_BxR = _slots(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR)
+  return logprobs.token_logprobs_at_two_temperatures(
+      hidden_BxRxD, models.unembedding(cfg, params), targets_BxR, rollout_temperature,
+      chunk_size=chunk)
+
+
+def score_responses(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: int,
+                    rollout_temperature: float | None = None):
+  """`score_stats`: (log-probs, entropies, log-probs at `rollout_temperature` or None)
+  for old log-probs and trajectory selection.
 
   On a mesh (sharded params) the rows are split over the batch axes; the results are
   replicated, so every process can read them.
@@ -91,14 +116,14 @@ def score_responses(cfg, params, tokens_BxT, segment_ids_BxT, index_BxR, chunk: 
   if mesh is not None:
     rows = sharding.put_batch(rows, mesh)
   with sharding.use_mesh(mesh):
-    return score_program(mesh)(cfg, params, *rows, chunk)
+    return score_program(mesh)(cfg, params, *rows, chunk, rollout_temperature)
 
 
 @functools.lru_cache(maxsize=None)
 def score_program(mesh):
-  """The jitted `response_stats` that `score_responses` runs on `mesh` (None: unsharded)."""
+  """The jitted `score_stats` that `score_responses` runs on `mesh` (None: unsharded)."""
   out = {} if mesh is None else {"out_shardings": sharding.replicated(mesh)}
-  return jax.jit(response_stats, static_argnums=(0, 5), **out)
+  return jax.jit(score_stats, static_argnums=(0, 5, 6), **out)
 
 
 def _micro_loss(params, micro: TrainBatch, *, cfg, algo, use_clip, chunk, num_tokens):
@@ -110,12 +135,15 @@ def _micro_loss(params, micro: TrainBatch, *, cfg, algo, use_clip, chunk, num_to
   # advantage comes per token.
   column = lambda x_BxR: x_BxR.reshape(-1, 1)
   loss_fn = losses.POLICY_LOSSES.get(algo.loss)
+  rollout_log_ratio = micro.rollout_log_ratio_MxBxR
   pg_loss, metrics = loss_fn(
       column(logp_BxR), column(micro.old_logp_MxBxR), micro.adv_MxBxR.reshape(-1),
       column(micro.mask_MxBxR), column(micro.is_replay_MxBxR & micro.mask_MxBxR),
       clip_eps=algo.clip_eps, use_clip=use_clip, shaping_gamma=algo.shaping_gamma,
       norm_len=algo.norm_len, aggregation=algo.aggregation,
-      weight_BxT=column(micro.weight_MxBxR))
+      weight_BxT=column(micro.weight_MxBxR),
+      rollout_log_ratio_BxT=None if rollout_log_ratio is None else column(rollout_log_ratio),
+      tis_cap=algo.tis_cap)
   entropy = jnp.sum(entropy_BxR * micro.mask_MxBxR) / num_tokens
   loss = pg_loss - algo.entropy_coeff * entropy
   return loss, dict(metrics, entropy=entropy, pg_loss=pg_loss, loss=loss)

@@ -33,6 +33,7 @@ class Sequence:
   old_logp: np.ndarray | None = None  # per response token
   advantage: float = 0.0
   is_replay: bool = False
+  rollout_log_ratio: np.ndarray | None = None  # per response token (fresh, recomputed)
 
 
 @dataclasses.dataclass
@@ -156,11 +157,13 @@ def policy_shares(lengths_S, parts, aggregation: str, norm_len: float) -> np.nda
 
 def train_batch(responses: list[Sequence], *, prompt_len: int, response_len: int,
                 micro_batch: int, num_micro: int, pad_id: int, aggregation: str,
-                norm_len: float, pack: bool = True) -> learner.TrainBatch:
+                norm_len: float, pack: bool = True,
+                rollout_log_ratio: bool = False) -> learner.TrainBatch:
   """One mini-batch as `num_micro` micro-batches of `micro_batch` rows.
 
   `num_micro * micro_batch` rows must hold the layout (one response per row always
   fits); micro-batches past the last used row are empty and the learner skips them.
+  `rollout_log_ratio` carries the sequences' `rollout_log_ratio` (0 where None).
   """
   layout = place([len(r.prompt) for r in responses], [len(r.tokens) for r in responses],
                  prompt_len, response_len, pack)
@@ -180,5 +183,9 @@ def train_batch(responses: list[Sequence], *, prompt_len: int, response_len: int
       adv_MxBxR=slots([x.advantage for x in responses], np.float32),
       is_replay_MxBxR=slots([x.is_replay for x in responses], bool),
       weight_MxBxR=slots(list(weights_SxR), np.float32))
+  if rollout_log_ratio:
+    arrays["rollout_log_ratio_MxBxR"] = slots(
+        [0.0 if x.rollout_log_ratio is None else x.rollout_log_ratio for x in responses],
+        np.float32)
   return learner.TrainBatch(**{
       name: a.reshape((num_micro, micro_batch) + a.shape[1:]) for name, a in arrays.items()})

@@ -5,7 +5,8 @@ and the buffer only retires solved questions; once a step's batch accuracy excee
 `algo.delayed_start` (strictly), replay is on for good: n_exp questions per step come
 from the buffer and fresh tokens lose their clip (unless `algo.clip_after_delayed_start`).
 Also here: where pi_old and the stored behaviour log-probs come from
-(`algo.old_logp_source`).
+(`algo.old_logp_source`, and `algo.tis_cap`, which needs them recomputed), and the
+temperature the rollout's log-probs are at.
 """
 
 import numpy as np
@@ -37,10 +38,20 @@ def recompute_old_logps(config) -> bool:
   `auto` recomputes whenever the rollout's numbers are not the learner's: another
   dtype than float32 (the sampler's decode steps and the learner's full forward round
   differently), an engine other than the JAX sampler (vLLM), or a temperature other
-  than 1 (the sampler reports log-probs of the temperature-scaled distribution).
+  than 1 (the sampler reports log-probs of the temperature-scaled distribution); and
+  whenever truncated importance sampling is on (`algo.tis_cap`), which weighs the
+  rollout's log-probs against the learner's (`rollout` is then refused by config_check).
   """
   source = config.algo.old_logp_source
   if source != "auto":
     return source == "recompute"
   return (config.model.dtype != "float32" or config.rollout.engine != "jax"
-          or config.rollout.temperature != 1.0)
+          or config.rollout.temperature != 1.0 or bool(config.algo.tis_cap))
+
+
+def rollout_logp_temperature(rollout) -> float | None:
+  """The temperature of the rollout's log-probs (`rollout` section), at which the
+  learner also scores the rollouts (besides 1), or None where that is 1: the sampling
+  temperature, and 1 for greedy rollouts (T = 0), which both engines report at T = 1."""
+  temperature = rollout.temperature if rollout.temperature > 0 else 1.0
+  return None if temperature == 1 else temperature

@@ -160,13 +160,17 @@ class Trainer:
     """pi_old of the fresh responses (also what the buffer stores), when recomputed.
 
     Under `phase.recompute_old_logps` the learner's forward pass at temperature 1 under
-    the step-start params replaces the rollout's log-probs.
+    the step-start params replaces the rollout's log-probs; the same pass gives the
+    learner's log-probs at the rollout temperature, which set each response's
+    `rollout_log_ratio` against the rollout's.
     """
     if not phase.recompute_old_logps(self.config):
       return
     fresh = [(g.prompt_ids, r) for g in groups for r in g.responses if not r.is_replay]
-    logps = self.actor.score(self.state.params, [(p, r.tokens) for p, r in fresh])
-    for (_, r), logp in zip(fresh, logps):
+    logps, at_rollout_temperature = self.actor.score(self.state.params,
+                                                     [(p, r.tokens) for p, r in fresh])
+    for (_, r), logp, learner_logp in zip(fresh, logps, at_rollout_temperature):
+      r.rollout_log_ratio = learner_logp - r.old_logp  # old_logp: still the rollout's
       r.old_logp = logp
 
   def grade(self, groups) -> dict:
