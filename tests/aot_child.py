@@ -1,11 +1,13 @@
 """Run by `aot_test` in an AOT environment (`scripts/aot_env.sh`); prints JSON.
 
   python -m tests.aot_child TARGET ATTENTION MESH [--unsharded-kernels]
+  python -m tests.aot_child TARGET ATTENTION MESH --rollout
   python -m tests.aot_child hbm TARGET ...
 
 The first compiles a tiny Qwen2-shaped learner step (GQA, q/k/v biases) for a target;
 `--unsharded-kernels` calls the fused kernel without `shard_map` (what the code did
-before `attention._on_shards`), the case the compilers refused. The second asks the TPU
+before `attention._on_shards`), the case the compilers refused; `--rollout` compiles the
+same model's rollout programs (continuous batching) instead. The last asks the TPU
 compiler how much HBM a program of each target's chip may use (its refusal of a larger
 one says).
 """
@@ -62,15 +64,20 @@ def main(argv) -> None:
       attention=attention_name, eos_token_id=(1,))
   target = targets.get(target_name)
   mesh = sharding.make_mesh(c.mesh, targets.devices(target))
-  step, score = programs.learner_programs(c, cfg, mesh)[0]
+  if "--rollout" in argv:
+    c.rollout.max_rows = 4  # fewer slots than rows: continuous batching
+    listed = [p for p in programs.training_step(c, cfg, mesh) if p.name not in check.LEARNER]
+  else:
+    listed = programs.learner_programs(c, cfg, mesh)[0]
   out = {}
-  results = [check.compile_program(p, out, mesh, target) for p in (step, score)]
+  results = [check.compile_program(p, out, mesh, target) for p in listed]
   with sharding.use_mesh(mesh):
     resolved = attention.resolve("auto", "bfloat16", 256)
   print(json.dumps(dict(
       platform=mesh.devices.flat[0].platform, device_kind=mesh.devices.flat[0].device_kind,
       auto=resolved, programs={r.name: dict(error=r.error, peak_bytes=r.peak_bytes,
-                                            collectives=r.collectives) for r in results})))
+                                            collectives=r.collectives,
+                                            custom_calls=r.custom_calls) for r in results})))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def small_config():
   c = common.base_config()
   c.train.batch_questions, c.rollout.k = 6, 2  # 12 rows through 8 slots
   c.rollout.max_rows, c.rollout.max_new_tokens = 8, 40
-  c.data.max_prompt_tokens = 20
+  c.data.max_prompt_tokens = 32  # a prompt bucket: its rows fill the largest pool
   c.rollout.temperature = 1.0
   c.optim.micro_batch_size, c.optim.mini_batches = 4, 1
   c.train.logprob_chunk = 16
@@ -153,3 +153,21 @@ def test_flop_count_matches_the_model_on_a_loop_free_program():
   xla = xla[0] if isinstance(xla, (list, tuple)) else xla
   # Matmuls only: XLA's count adds the element-wise work (norms, softmax, RoPE).
   assert 0.8 * xla["flops"] <= counted <= xla["flops"]
+
+
+def test_the_step_estimate_needs_every_program_of_the_step():
+  """A v6e-8 compile of qwen7b once printed "rollout 0.2 s": the estimate of the programs
+  that compiled. Without every program fitting there is none, and the report names the
+  programs it lacks."""
+  names = ["learner_step", "score", "admit", "decode_chunk", "release"]
+  result = lambda name, **kw: analysis.Result(name, "", usable_bytes=100, peak_bytes=10,
+                                              roofline_s=1.0, calls_per_step=2, **kw)
+  fitting = [result(n) for n in names]
+  step, lacking = check.step_estimate(fitting, names)
+  assert lacking == [] and step == dict(rollout_s=6.0, old_logp_recompute_s=2.0,
+                                        learner_s=2.0, total_s=10.0)
+  partial = [result("learner_step"), result("score"), result("admit"),
+             result("decode_chunk", error="CompileTimeHbmOom: ...")]
+  assert check.step_estimate(partial, names) == (None, ["decode_chunk", "release"])
+  too_big = fitting[:4] + [result("release", resident_bytes=95)]
+  assert check.step_estimate(too_big, names) == (None, ["release"])

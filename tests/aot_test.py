@@ -67,6 +67,38 @@ def test_without_shard_map_the_compiler_refuses_the_kernel(case):
   assert CASES[case][4] in result["programs"]["learner_step"]["error"]
 
 
+def test_tpu_decode_runs_the_paged_attention_kernel_on_a_mesh():
+  """On a v5p 2x2 mesh the rollout's decode_chunk calls the ragged paged-attention
+  kernel, a Mosaic custom call per layer inside `shard_map`, and every program around
+  it (empty, repage_layer, place, select, release) compiles with its pool layout."""
+  proc = compile_case("splash_v5p_2x2", "--rollout")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  found = json.loads(proc.stdout.strip().splitlines()[-1])["programs"]
+  for name, program in found.items():
+    assert program["error"] == "", (name, program["error"])
+  assert found["decode_chunk"]["custom_calls"].get("tpu_custom_call") == 2  # 2 layers
+  assert found["decode_chunk"]["collectives"]  # really partitioned over the mesh
+
+
+@pytest.mark.slow
+def test_gpu_rollout_programs_keep_their_committed_peaks(tmp_path):
+  """The GPU keeps XLA's pool layout: Qwen2.5-Math-1.5B's rollout on 8 H100s (its plan's
+  mesh and rows, all layers) peaks within 1% of docs/results (minutes of compiling)."""
+  path = os.path.join(conftest.REPO_ROOT, "docs", "results", "aot_qwen1_5b_h100x8.json")
+  with open(path, encoding="utf-8") as f:
+    committed = json.load(f)["report"]
+  out = tmp_path / "aot.json"
+  proc = run_cli("gpu", "--config=configs/qwen1_5b.py", "--target=h100x8",
+                 "--config.mesh.shape=(8, 1)", "--config.rollout.max_rows=1024",
+                 "--parts=rollout", f"--out={out}", XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  peaks = {p["name"]: p["peak_bytes"] for p in json.loads(out.read_text())["programs"]}
+  for program in committed["programs"]:
+    if program["name"] in peaks:
+      assert abs(peaks[program["name"]] / program["peak_bytes"] - 1) <= 0.01, program["name"]
+  assert "decode_chunk" in peaks
+
+
 def run_cli(environment: str, *args: str, **env) -> subprocess.CompletedProcess:
   return subprocess.run(
       [aot_python(environment), "-m", "exgrpo_jax.aot", *args], cwd=conftest.REPO_ROOT,

@@ -59,35 +59,53 @@ def _held(table: pages.PageTable, b: int) -> list[int]:
 
 def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrinks():
   # 3 slots, pages of 4 slots, prompt bucket 8, 16 new tokens: 6 pages a row, 18 in all,
-  # pool sizes 6, 12, 18 (3 sizes).
+  # pool sizes 6, 12, 18 (3 sizes). Addresses are positions: a prompt starts at 0.
   table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, sizes=3,
-                          floor=1)
+                          shards=1)
   assert table.sizes == [6, 12, 18] and table.pages == 6
-  table.start(0, prompt_len=3)  # addresses 5 .. 7: page 1 only (page 0 is padding)
-  table.start(1, prompt_len=8)
-  assert table.fit(np.array([12, 12, 0])) is None  # pages 1-2 and 0-2: 5 of 6
+  assert table.fit(np.array([7, 12, 0])) is None  # pages 0-1 and 0-2: 5 of 6
   assert len(_held(table, 0)) == 2 and len(_held(table, 1)) == 3
-  assert table.table_BxN[0, 0] == -1
-  source = table.fit(np.array([24, 12, 0]))  # slot 0 now needs pages 1-5: 8 pages
-  np.testing.assert_array_equal(source, np.arange(12))  # grown, nothing moved
-  table.start(2, prompt_len=1)
-  table.fit(np.array([24, 12, 12]))  # slot 2: page 1 (address 7) and page 2
+  before = {b: _held(table, b) for b in range(2)}
+  source = table.fit(np.array([20, 12, 0]))  # slot 0 now needs pages 0-4: 8 pages
+  assert table.pages == 12 and source.size == 12
+  for b in (0, 1):  # the held pages kept their contents
+    np.testing.assert_array_equal(source[_held(table, b)[:len(before[b])]], before[b])
+  assert (source[8:] >= 6).all()  # the rest: new, empty pages
+  table.fit(np.array([20, 12, 9]))  # slot 2 (1 prompt token + 8 steps): pages 0-2
   held = [_held(table, b) for b in range(3)]
   assert sorted(sum(held, [])) == sorted(set(sum(held, []))), held  # no page twice
   table_before = {b: held[b] for b in range(3)}
   table.release(0)
-  source = table.fit(np.array([0, 12, 12]))  # 5 pages: the smallest pool
+  source = table.fit(np.array([0, 12, 9]))  # 6 pages: the smallest pool
   assert table.pages == 6 and source.size == 6
   for b in (1, 2):  # each remaining page moved with its contents
     np.testing.assert_array_equal(source[_held(table, b)], table_before[b])
   table_BxN, owner_P, base_P = table.device_args()
   assert (table_BxN[0] == 6).all() and (owner_P[_held(table, 1)] == 1).all()
   np.testing.assert_array_equal(base_P[_held(table, 1)], [0, 4, 8])
-  np.testing.assert_array_equal(base_P[_held(table, 2)], [4, 8])
+  np.testing.assert_array_equal(base_P[_held(table, 2)], [0, 4, 8])
   np.testing.assert_array_equal(table.prompt_pages(np.array([2, 3])),
-                                [[6, table.table_BxN[2, 1]], [6, 6]])
+                                [table.table_BxN[2, :2], [6, 6]])
   held_by_2 = _held(table, 2)
   table.select(np.array([2, 0]))  # slot 2 becomes slot 0, slot 0 (empty) slot 1
   assert _held(table, 0) == held_by_2 and _held(table, 1) == []
   np.testing.assert_array_equal(np.flatnonzero(table.owner_P >= 0), sorted(held_by_2))
   assert (table.owner_P[held_by_2] == 0).all()
+
+
+def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool():
+  """Slots and pages split in 2 (the mesh's batch axes): slots 0-1 use pages of the
+  first half, slots 2-3 of the second; a row moved to the other half by `select` has its
+  pages moved there by the next `fit`, with their contents."""
+  table = pages.PageTable(4, page_size=4, prompt_len=8, max_new_tokens=8, sizes=4,
+                          shards=2)
+  half = lambda: table.pages // 2
+  table.fit(np.array([16, 0, 0, 5]))
+  assert all(p < half() for p in _held(table, 0)) and len(_held(table, 0)) == 4
+  assert all(p >= half() for p in _held(table, 3)) and len(_held(table, 3)) == 2
+  moved = _held(table, 3)
+  table.release(0)
+  table.select(np.array([3, 0]))  # slot 3's row becomes slot 0, now of the first half
+  source = table.fit(np.array([5, 0]))
+  assert source is not None and all(p < half() for p in _held(table, 0))
+  np.testing.assert_array_equal(source[_held(table, 0)], moved)

@@ -64,8 +64,12 @@ def table(report: dict) -> str:
     if p["error"]:
       lines.append(f"{p['name']}: {p['error']}")
   estimate = report["step_estimate"]
-  lines.append("roofline estimate of one training step (a lower bound, not a timing): "
-               + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in estimate.items()))
+  if estimate is None:
+    lines.append("no estimate of one training step: it lacks "
+                 + ", ".join(report["step_estimate_lacks"]) + " (not compiled or not fitting)")
+  else:
+    lines.append("roofline estimate of one training step (a lower bound, not a timing): "
+                 + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in estimate.items()))
   return "\n".join(lines)
 
 

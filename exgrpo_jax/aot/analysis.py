@@ -29,6 +29,7 @@ import numpy as np
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                 "collective-permute", "collective-broadcast")
 _COLLECTIVE_RE = re.compile(r"\b(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+_CUSTOM_CALL_RE = re.compile(r'custom_call_target="([^"]+)"')
 
 
 @dataclasses.dataclass
@@ -51,6 +52,7 @@ class Result:
   flops_per_device: float = 0.0
   hbm_bytes_per_call: float = 0.0
   collectives: dict = dataclasses.field(default_factory=dict)
+  custom_calls: dict = dataclasses.field(default_factory=dict)  # kernels, by target
   roofline_s: float = 0.0
   calls_per_step: float = 0.0
 
@@ -129,8 +131,18 @@ def shard_bytes(tree) -> int:
 
 def collectives(hlo_text: str) -> dict:
   """How many of each collective the compiled program's text holds (loop bodies once)."""
+  return _count(_COLLECTIVE_RE.findall(hlo_text))
+
+
+def custom_calls(hlo_text: str) -> dict:
+  """How many custom calls of each target (a Mosaic kernel: `tpu_custom_call`) the
+  compiled program's text holds (loop bodies once)."""
+  return _count(_CUSTOM_CALL_RE.findall(hlo_text))
+
+
+def _count(found) -> dict:
   counts = {}
-  for kind in _COLLECTIVE_RE.findall(hlo_text):
+  for kind in found:
     counts[kind] = counts.get(kind, 0) + 1
   return counts
 

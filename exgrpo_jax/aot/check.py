@@ -96,8 +96,12 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   result.xla_bytes = float(cost.get("bytes accessed", 0.0))
   result.flops_per_device = analysis.matmul_flops(traced.jaxpr.jaxpr,
                                                   program.steps) / mesh.size
-  result.collectives = analysis.collectives(compiled.as_text())
-  streamed = analysis.shard_bytes([args[i] for i in program.streamed])
+  text = compiled.as_text()
+  result.collectives = analysis.collectives(text)
+  result.custom_calls = analysis.custom_calls(text)
+  streamed = analysis.shard_bytes([args[i] for i in program.streamed[:-1]])
+  if program.streamed:
+    streamed += program.cache_share * analysis.shard_bytes([args[program.streamed[-1]]])
   analysis.roofline(result, streamed, program.steps, target.peak_flops,
                     target.hbm_bandwidth)
   return result
@@ -121,7 +125,8 @@ def run(config, target_name: str, *, layers: int | None = None,
            f"{dict(mesh.shape)}, {cfg.num_layers} layers; usable "
            f"{targets.usable_bytes(target) / GIB:.2f} GiB per device")
   results, outputs = [], {}
-  for program in programs_lib.training_step(config, cfg, mesh):
+  step_programs = programs_lib.training_step(config, cfg, mesh)
+  for program in step_programs:
     if ("learner" if program.name in LEARNER else "rollout") not in parts:
       continue
     progress(f"[aot] compiling {program.name}: {program.purpose} ...")
@@ -130,19 +135,33 @@ def run(config, target_name: str, *, layers: int | None = None,
     progress("[aot]   " + (result.error or (
         f"{result.compile_s:.1f} s, peak {result.peak_bytes / GIB:.2f} GiB, with what "
         f"stays beside it {result.device_peak_bytes / GIB:.2f} GiB")))
-  return report(config, cfg, target_name, target, mesh, results, slices)
+  return report(config, cfg, target_name, target, mesh, results, slices,
+                [p.name for p in step_programs])
 
 
-def report(config, cfg, target_name, target, mesh, results, slices) -> dict:
-  """The JSON report: target, mesh, model, batch, every program, the step estimate."""
-  failed = next((r for r in results if not r.fits), None)
+def step_estimate(results, step_names) -> tuple[dict | None, list[str]]:
+  """(the roofline of one training step, by part; the programs of `step_names` it lacks:
+  not compiled or not fitting). The estimate is None unless it lacks none: a step
+  without its rollout's costliest programs is no step."""
+  fit = {r.name for r in results if r.fits}
+  lacking = [name for name in step_names if name not in fit]
+  if lacking:
+    return None, lacking
   step = {}
   for label, names in (("rollout", lambda n: n not in LEARNER),
                        ("old_logp_recompute", lambda n: n == "score"),
                        ("learner", lambda n: n == "learner_step")):
     step[label + "_s"] = sum(r.calls_per_step * r.roofline_s for r in results
-                             if names(r.name) and not r.error)
+                             if names(r.name))
   step["total_s"] = sum(step.values())
+  return step, []
+
+
+def report(config, cfg, target_name, target, mesh, results, slices, step_names) -> dict:
+  """The JSON report: target, mesh, model, batch, every program, the step estimate
+  (None, with the programs it lacks, unless every program of the step fits)."""
+  failed = next((r for r in results if not r.fits), None)
+  step, lacking = step_estimate(results, step_names)
   return dict(
       target=dict(name=target_name, slices=slices, **dataclasses.asdict(target)),
       mesh=dict(mesh.shape), devices=mesh.size, jax=jax.__version__,
@@ -161,7 +180,7 @@ def report(config, cfg, target_name, target, mesh, results, slices) -> dict:
                                              fits=r.fits) for r in results],
       ok=failed is None,
       first_failure=None if failed is None else failure_line(failed),
-      step_estimate=step)
+      step_estimate=step, step_estimate_lacks=lacking)
 
 
 def failure_line(result: analysis.Result) -> str:

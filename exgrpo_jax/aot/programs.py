@@ -33,6 +33,7 @@ from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import jax_engine
 from exgrpo_jax.sampling import pages
+from exgrpo_jax.sampling import paged_kernel
 from exgrpo_jax.sampling import slots as slots_lib
 from exgrpo_jax.training import learner
 from exgrpo_jax.training import padding
@@ -48,6 +49,9 @@ class Program:
   calls: how often a training step calls it (for the step's estimate).
   steps: iterations of its decode loop per call (1: no loop).
   streamed: positional arguments the decode loop reads at every step (weights, cache).
+  cache_share: the share of the last streamed argument (the cache) a step reads: all of
+    it for XLA's attention over the pool; for the paged-attention kernel, which reads
+    each row's live pages, their mean over a row's life (an estimate).
   resident: given the same outputs, what else is on the devices during the call: the
     learner's state through a rollout, the rollout's weights and pool between its
     programs (the memory a call has is the device's less these).
@@ -61,6 +65,7 @@ class Program:
   calls: float = 1.0
   steps: int = 1
   streamed: tuple = ()
+  cache_share: float = 1.0
   resident: Callable[[dict], tuple] = lambda _: ()
 
 
@@ -166,6 +171,10 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   P = decode.bucket(continuous.MAX_PROMPTS)
   steps = engine.chunk_steps
   i32 = lambda *shape: _struct(shape, jnp.int32, mesh)
+  kernel = paged_kernel.wanted(pcfg, mesh, slots)
+  # Every row at its longest (the worst case): at a uniform step of its life, a row holds
+  # its prompt and half its response of the per_row pages it may grow to.
+  live = (L + N / 2) / (per_row * engine.page_size) if kernel else 1.0
   # The pool starts at its smallest size and grows layer by layer (`slots.repage`); the
   # later programs take it at its largest, the memory's worst case.
   grown = lambda out: out[prefix + "empty"][0].replace(
@@ -178,7 +187,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
               f"({table.pages} pages of {engine.page_size})", slots_lib.empty,
               lambda out: (pcfg, params(out), _struct((), _key_dtype(), mesh)),
               dict(slots=slots, pages=table.pages, page_size=engine.page_size, prompt_len=L,
-                   mesh=mesh),
+                   kernel=kernel, mesh=mesh),
               resident=lambda out: (*learner_state, out[prefix + "prepare_layers"])),
       Program(prefix + "repage_layer", f"one layer of the pool grown from {grows_from} to "
               f"its largest, {pool} pages", slots_lib.repage_layer,
@@ -207,9 +216,9 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
       Program(prefix + "decode_chunk", f"{steps} decode steps of {slots} slots over the "
               f"{pool}-page pool", slots_lib.decode_chunk,
               lambda out: (pcfg, params(out), out[prefix + "prepare_layers"], grown(out),
-                           i32(), i32(slots, per_row), i32(pool), i32(pool), *scalars),
+                           i32(slots, per_row), i32(pool), i32(pool), *scalars),
               options | dict(steps=steps), calls=rows * N / slots / steps, steps=steps,
-              streamed=(2, 3), resident=lambda _: learner_state),
+              streamed=(2, 3), cache_share=live, resident=lambda _: learner_state),
       Program(prefix + "release", "slots freed by stop strings", slots_lib.release,
               lambda out: (grown(out), _struct((slots,), bool, mesh)), calls=0,
               resident=weights),

@@ -13,9 +13,9 @@ fewer slots: when the live rows fit into half of them, `slots.select` moves them
 the engine's batch bucket that holds them (`_tail_slots`: a power of two up to 64), so
 the last long rows stop paying for ended ones.
 
-The KV cache is a pool of pages (`slots`, `pages`). A row addresses its cache as the
-static loop does (L prompt slots, left-padded, then step t at address L + t, so
-positions and masks are the static loop's), but its addresses live on pages of its own:
+The KV cache is a pool of pages (`slots`, `pages`). A row addresses its cache by
+position (its prompt from 0, then step t at prompt length + t), and its addresses live
+on pages of its own:
 it gets a page when its next chunk reaches it, gives them all back when it ends, and
 attends to its own pages only. A step's attention therefore reads the live rows' keys,
 not B times the oldest row's, and a row admitted beside a row at step 900 pays for its
@@ -43,6 +43,7 @@ from exgrpo_jax import sharding
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
 from exgrpo_jax.sampling import pages as pages_lib
+from exgrpo_jax.sampling import paged_kernel
 from exgrpo_jax.sampling import slots as slots_lib
 
 # One `admit` call loads at most MAX_ROWS rows and prefills at most MAX_PROMPTS new
@@ -81,7 +82,8 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
-      mesh=mesh))(params, key)
+      kernel=paged_kernel.wanted(engine.program_cfg, mesh, B), mesh=mesh))(params, key)
+  prompt_len_R = np.array([len(prompt_ids[p]) for p in prompt_index_R])
   row_keys_R = put(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
       key, jnp.asarray(rows_R, jnp.uint32)))
   admitter = _Admitter(engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
@@ -95,8 +97,8 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   while True:
     free = np.flatnonzero(slot_row_B < 0)[:R - waiting]
     new_rows = np.arange(waiting, waiting + free.size)
-    for b, r in zip(free, new_rows):
-      table.start(b, len(prompt_ids[prompt_index_R[r]]))
+    for b in free:
+      table.release(b)
     slot_row_B[free] = new_rows
     waiting += free.size
     if (slot_row_B < 0).all():
@@ -110,7 +112,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       table.select(keep_C)
       slot_row_B, B = slot_row_B[keep_C], keep_C.size
     live = slot_row_B >= 0
-    source_Q = table.fit(np.where(live, prompt_len + np.minimum(
+    source_Q = table.fit(np.where(live, prompt_len_R[slot_row_B] + np.minimum(
         lengths_R[slot_row_B] + engine.chunk_steps, N), 0))
     if source_Q is not None:  # the old pool's only references go to `repage`'s list
       caches, state = list(state.caches), state.replace(caches=())
@@ -120,7 +122,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       admit_start = time.perf_counter()
       state, carry = admitter(state, carry, new_rows, free)
       engine.stats["admit_s"] += time.perf_counter() - admit_start
-    args = (params, layers, state, np.int32(prompt_len), *put(table.device_args()), *scalars)
+    args = (params, layers, state, *put(table.device_args()), *scalars)
     state, out = engine.compiled(slots_lib.decode_chunk, args, options)(*args)
     out = sharding.to_host(out)
     host_start = time.perf_counter()
@@ -183,7 +185,7 @@ class _Admitter:
     self.engine, self.prompt_ids, self.prompt_index_R = engine, prompt_ids, prompt_index_R
     self.row_keys_R, self.params, self.L, self.table, self.put = (row_keys_R, params,
                                                                   prompt_len, table, put)
-    self.B = table.first_B.size
+    self.B = table.slots
     self.rows_per_call = min(MAX_ROWS, self.B)
     self.carry_prompt = -1
 

@@ -74,13 +74,14 @@ def prepare_layers(cfg, params):
 
 
 def layers_step(cfg, params, layers, caches, index, positions_Bx1, mask_Bx1xS, token_B):
-  """One token per row through the unrolled layers, its k/v written at cache slot `index`;
-  returns (next-token logits_BxV, caches)."""
+  """One token per row through the unrolled layers, its k/v written at cache slot `index`
+  (or the page pool's slots, `decode_layer.Paged`); returns (next-token logits_BxV,
+  caches)."""
   dt = config_lib.dtype_from_name(cfg.dtype)
   x_BxD = jnp.take(params["embed"], token_B, axis=0).astype(dt)
   new_caches = []
-  for w, (k, v) in zip(layers, caches):
-    x_BxD, kv = decode_layer.step(cfg, w, x_BxD, (k, v, index), positions_Bx1,
+  for w, cache in zip(layers, caches):
+    x_BxD, kv = decode_layer.step(cfg, w, x_BxD, (*cache, index), positions_Bx1,
                                   mask_Bx1xS)
     new_caches.append(kv)
   h_BxD = transformer.RMSNorm(cfg).apply({"params": params["final_norm"]}, x_BxD)

@@ -14,9 +14,11 @@ The new key/value goes to one cache slot shared by every row (the static loop: a
 in-place `dynamic_update_slice`, then attention over the whole [B, S] cache), or, in
 continuous batching, whose rows are at different steps, into a pool of pages (`Paged`):
 each row writes its own page slot (a scatter, in place) and attends only to the pages it
-holds, so a young row does not pay for an old neighbour's keys. Attention over the pool
-is a softmax split over pages, merged per row with segment sums (as split-K decoding
-kernels merge their blocks): every page is read once, by its owner's queries.
+holds, so a young row does not pay for an old neighbour's keys. On TPU the pool is in
+the ragged paged-attention kernel's layout and the kernel reads each row's live pages
+(`paged_kernel`). Elsewhere attention over the pool is a softmax split over pages,
+merged per row with segment sums (as split-K decoding kernels merge their blocks):
+every page of the pool is read once, by its owner's queries.
 """
 
 import math
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import transformer
+from exgrpo_jax.sampling import paged_kernel
 
 
 def prepare(cfg, layer_params):
@@ -54,6 +57,8 @@ class Paged:
   offset_B: jax.Array  # its slot in that page
   owner_P: jax.Array  # the row that holds each page (B: a free page)
   mask_PxT: jax.Array  # the page slots its owner attends to
+  table_BxN: jax.Array  # the row's pages (P: none), for the kernel
+  length_B: jax.Array  # the addresses the row attends to, from 0, for the kernel
 
 
 def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
@@ -61,7 +66,8 @@ def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
 
   w: `prepare`'s output. cache_kv: (k_BxKxDhxS, v_BxKxSxDh, index) with index a scalar,
   the slot every row writes, and `mask_Bx1xS` the slots it attends to; or the page pool
-  (k_PxKxDhxT, v_PxKxTxDh, `Paged`), and `mask_Bx1xS` None.
+  (k_PxKxDhxT, v_PxKxTxDh, `Paged`) or, in the kernel's layout, (kv_PxTxCxDh, `Paged`),
+  and `mask_Bx1xS` None.
   """
   B = x_BxD.shape[0]
   norm = lambda scale, x: transformer.RMSNorm(cfg).apply({"params": scale}, x)
@@ -74,7 +80,9 @@ def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
     return y_BxNxDh[:, None]
 
   inv_freq = transformer.rope_inv_freq(cfg)
-  attend = _attend_paged if isinstance(cache_kv[2], Paged) else transformer.attend
+  attend = transformer.attend
+  if isinstance(cache_kv[-1], Paged):
+    attend = _attend_paged if len(cache_kv) == 3 else _attend_kernel
   out_Bx1xHxDh, new_kv = attend(
       transformer.apply_rope(project("q_proj"), positions_Bx1, inv_freq),
       transformer.apply_rope(project("k_proj"), positions_Bx1, inv_freq), project("v_proj"),
@@ -98,6 +106,16 @@ def _attend_paged(q_Bx1xHxDh, k_Bx1xKxDh, v_Bx1xKxDh, mask, cache_kv):
   out_BxHxDh = paged_attention(q_Bx1xHxDh[:, 0], k_PxKxDhxT, v_PxKxTxDh, paged.owner_P,
                                paged.mask_PxT)
   return out_BxHxDh[:, None], (k_PxKxDhxT, v_PxKxTxDh)
+
+
+def _attend_kernel(q_Bx1xHxDh, k_Bx1xKxDh, v_Bx1xKxDh, mask, cache_kv):
+  """`_attend_paged` with the pool in the kernel's layout (`paged_kernel`)."""
+  del mask  # in `paged`
+  kv_PxTxCxDh, paged = cache_kv
+  out_BxHxDh, kv_PxTxCxDh = paged_kernel.attend(
+      q_Bx1xHxDh[:, 0], k_Bx1xKxDh[:, 0], v_Bx1xKxDh[:, 0], kv_PxTxCxDh, paged.page_B,
+      paged.offset_B, paged.table_BxN, paged.length_B)
+  return out_BxHxDh[:, None], (kv_PxTxCxDh,)
 
 
 def paged_attention(q_BxHxDh, k_PxKxDhxT, v_PxKxTxDh, owner_P, mask_PxT):

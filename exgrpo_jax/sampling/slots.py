@@ -2,14 +2,15 @@
 select, decode, release.
 
 The keys and values of every slot's row live in one pool of P pages of T slots
-(`decode_layer.Paged`). A row addresses its cache as the static loop does: L prompt
-slots (left-padded), then its step-t key/value at address L + t; address a lies in the
-row's page `a // T` (the host's page table, `pages.PageTable`, says which pool page that
-is), at slot `a % T`. The row attends to the addresses from its first prompt token to
-its newest token (`attended`), on its own pages only, so the pool's size, not the
-oldest row, sets a step's attention cost. The host sizes the pool between chunks
-(`repage`) and passes the page table and each page's owner and first address to every
-decode chunk.
+(`decode_layer.Paged`), per layer a (k_PxKxDhxT, v_PxKxTxDh) pair or, on TPU, one array
+in the paged-attention kernel's layout (`paged_kernel`; `empty` chooses, the other
+programs follow the pool they are given). A row addresses its cache by position: its
+prompt from address 0 (`place` drops the prompt's left padding), then its step-t
+key/value at address prompt length + t; address a lies in the row's page `a // T` (the
+host's page table, `pages.PageTable`, says which pool page that is), at slot `a % T`.
+The row attends to its addresses up to its newest token (`attended`), on its own pages
+only. The host sizes the pool between chunks (`repage`) and passes the page table and
+each page's owner and first address to every decode chunk.
 """
 
 import functools
@@ -24,16 +25,17 @@ from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.sampling import categorical
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import decode_layer
+from exgrpo_jax.sampling import paged_kernel
 
 
 @flax.struct.dataclass
 class Slots:
   """The device state of B decode slots and their page pool."""
 
-  caches: tuple  # per layer (k_PxKxDhxT, v_PxKxTxDh): the page pool
+  caches: tuple  # per layer (k_PxKxDhxT, v_PxKxTxDh) or (kv_PxTxCxDh,): the page pool
   logits_BxV: jax.Array  # next-token logits
   keys_B: jax.Array  # fold_in(key, r) of the slot's row r
-  steps_B: jax.Array  # tokens the row has emitted (its next key/value: address L + steps)
+  steps_B: jax.Array  # tokens the row has emitted (next key/value: address prompt + steps)
   prompt_len_B: jax.Array  # the row's real prompt tokens (position of its first new token)
   done_B: jax.Array
 
@@ -48,17 +50,20 @@ class Admitted:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "cfg", "slots", "pages", "page_size", "prompt_len", "mesh"))
+    "cfg", "slots", "pages", "page_size", "prompt_len", "kernel", "mesh"))
 def empty(cfg, params, key, *, slots: int, pages: int, page_size: int, prompt_len: int,
-          mesh=None):
-  """All-done slots with an empty pool of `pages` pages, and an empty carry (the last
-  prefilled prompt, see `admit`)."""
+          kernel: bool = False, mesh=None):
+  """All-done slots with an empty pool of `pages` pages (in the kernel's layout when
+  `kernel`: `paged_kernel.wanted`), and an empty carry (the last prefilled prompt, see
+  `admit`)."""
   B, K, Dh = slots, cfg.num_kv_heads, cfg.head_dim
   dt = config_lib.dtype_from_name(cfg.dtype)
   vocab = params["embed"].shape[0]
+  layer = (lambda: paged_kernel.empty_layer(pages, page_size, K, Dh, dt)) if kernel else (
+      lambda: (jnp.zeros((pages, K, Dh, page_size), dt),
+               jnp.zeros((pages, K, page_size, Dh), dt)))
   state = Slots(
-      caches=tuple((jnp.zeros((pages, K, Dh, page_size), dt),
-                    jnp.zeros((pages, K, page_size, Dh), dt)) for _ in range(cfg.num_layers)),
+      caches=tuple(layer() for _ in range(cfg.num_layers)),
       logits_BxV=jnp.zeros((B, vocab), jnp.float32), keys_B=jax.random.split(key, B),
       steps_B=jnp.zeros((B,), jnp.int32), prompt_len_B=jnp.zeros((B,), jnp.int32),
       done_B=jnp.ones((B,), bool))
@@ -78,9 +83,15 @@ def _constrain(tree, mesh):
 def _constrain_pool(layers, mesh):
   """Pool layers split by page over the batch axes and by KV head over `tensor`, as the
   decode step's queries are by head (split by page alone, every tensor shard would hold
-  all KV heads: 4x the pool per device at tensor = 4)."""
-  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding.NamedSharding(
-      mesh, sharding.spec(("batch", "kv_heads", None, None), x.shape, mesh))), layers)
+  all KV heads: 4x the pool per device at tensor = 4). In the kernel's layout, pages
+  over the batch axes too: a row's pages are on its slot's device (`pages.PageTable`)."""
+  def constrain(layer):
+    specs = ((paged_kernel.pool_spec(mesh, layer[0].shape),) if len(layer) == 1 else
+             tuple(sharding.spec(("batch", "kv_heads", None, None), x.shape, mesh)
+                   for x in layer))
+    return tuple(jax.lax.with_sharding_constraint(x, sharding.NamedSharding(mesh, s))
+                 for x, s in zip(layer, specs))
+  return tuple(constrain(layer) for layer in layers)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("carry",))
@@ -116,18 +127,25 @@ def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A):
   """Puts `admit`'s rows into slots `slot_A` (B: no row), their prompts into pages
   `pages_AxN` (the pool pages of addresses 0 .. N*T - 1; P: no page)."""
   A, L = rows.caches[0][0].shape[0], rows.caches[0][0].shape[-1]
-  T = slots.caches[0][0].shape[-1]
+  kernel = len(slots.caches[0]) == 1
+  T = slots.caches[0][0].shape[1 if kernel else -1]
   N = pages_AxN.shape[1]
+  # Prompts come left-padded to L; at address 0 is each row's first prompt token.
+  pad_A = L - rows.prompt_len_A
+  unpad = lambda x, axis: jax.vmap(lambda x, n: jnp.roll(x, -n, axis=axis - 1))(x, pad_A)
 
   def paged(x, axis):  # [A, ..., L, ...] -> [A * N, ..., T, ...], L padded to N * T
-    x = jnp.pad(x, [(0, N * T - L if a == axis else 0) for a in range(x.ndim)])
+    x = jnp.pad(unpad(x, axis), [(0, N * T - L if a == axis else 0) for a in range(x.ndim)])
     x = x.reshape(*x.shape[:axis], N, T, *x.shape[axis + 1:])
     return jnp.moveaxis(x, axis, 1).reshape(A * N, *x.shape[1:axis], T, *x.shape[axis + 2:])
 
-  flat_pages = pages_AxN.reshape(-1)
-  caches = tuple((k.at[flat_pages].set(paged(k_new, 3), mode="drop"),
-                  v.at[flat_pages].set(paged(v_new, 2), mode="drop"))
-                 for (k, v), (k_new, v_new) in zip(slots.caches, rows.caches))
+  put_pages = lambda pool, new: pool.at[pages_AxN.reshape(-1)].set(new, mode="drop")
+  if kernel:
+    caches = tuple((put_pages(kv, paged(paged_kernel.combine(k_new, v_new), 1)),)
+                   for (kv,), (k_new, v_new) in zip(slots.caches, rows.caches))
+  else:
+    caches = tuple((put_pages(k, paged(k_new, 3)), put_pages(v, paged(v_new, 2)))
+                   for (k, v), (k_new, v_new) in zip(slots.caches, rows.caches))
   put = lambda x, value: x.at[slot_A].set(value, mode="drop")
   return slots.replace(
       caches=caches, logits_BxV=put(slots.logits_BxV, rows.logits_AxV),
@@ -153,9 +171,9 @@ def repage(compiled, caches: list, source_Q, mesh=None) -> None:
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def repage_layer(layer, source_Q, *, mesh=None):
-  """One layer's (k, v) pages, in `repage`'s new order."""
+  """One layer's pages (either layout), in `repage`'s new order."""
   layer = tuple(jnp.take(x, source_Q, axis=0, mode="fill", fill_value=0) for x in layer)
-  return layer if mesh is None else _constrain_pool(layer, mesh)
+  return layer if mesh is None else _constrain_pool((layer,), mesh)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
@@ -172,34 +190,33 @@ def release(slots: Slots, release_B):
   return slots.replace(done_B=slots.done_B | release_B)
 
 
-def attended(base_P, owner_P, prompt_len, prompt_len_B, steps_B, page_size: int):
+def attended(base_P, owner_P, address_B, page_size: int):
   """[P, T]: the pool slots a row's next step attends to, on the pages it owns: its
-  addresses from its first prompt token (L - prompt length) to its new token (L + steps).
-  `base_P` is each page's first address in its owner's cache; free pages: none."""
-  B = prompt_len_B.shape[0]
+  addresses up to its new token's, `address_B`. `base_P` is each page's first address in
+  its owner's cache; free pages: none."""
+  B = address_B.shape[0]
   address_PxT = base_P[:, None] + jnp.arange(page_size)
-  row_P = jnp.minimum(owner_P, B - 1)
-  first_Px1 = (prompt_len - prompt_len_B[row_P])[:, None]
-  last_Px1 = (prompt_len + steps_B[row_P])[:, None]
-  return (address_PxT >= first_Px1) & (address_PxT <= last_Px1) & (owner_P < B)[:, None]
+  last_Px1 = address_B[jnp.minimum(owner_P, B - 1)][:, None]
+  return (address_PxT <= last_Px1) & (owner_P < B)[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=(
     "cfg", "steps", "max_new_tokens", "top_k", "use_top_p", "return_entropy"),
                    donate_argnames=("slots",))
-def decode_chunk(cfg, params, layers, slots: Slots, prompt_len, table_BxN, owner_P, base_P,
-                 temperature, top_p, greedy, eos_ids_E, *, steps: int, max_new_tokens: int,
+def decode_chunk(cfg, params, layers, slots: Slots, table_BxN, owner_P, base_P, temperature,
+                 top_p, greedy, eos_ids_E, *, steps: int, max_new_tokens: int,
                  top_k: int, use_top_p: bool, return_entropy: bool):
   """Up to `steps` decode steps of every slot (fewer once all are done).
 
-  `prompt_len` is L. `table_BxN` holds each slot's pool pages (P where it has none),
-  `owner_P` each page's slot (B: free) and `base_P` its first address; the caller gives
+  `table_BxN` holds each slot's pool pages (P where it has none), `owner_P` each page's
+  slot (B: free) and `base_P` its first address; the caller gives
   every live row the pages of its next `steps` addresses. Returns (slots, dict of
   tokens_BxC, logprobs_BxC, entropy_BxC (or None): what each slot emitted, from column 0
   until its row ended; steps_B, done_B; taken: how many steps ran).
   """
   B, N = table_BxN.shape
-  P, T = owner_P.shape[0], slots.caches[0][0].shape[-1]
+  P = owner_P.shape[0]
+  T = slots.caches[0][0].shape[1 if len(slots.caches[0]) == 1 else -1]
   choose = functools.partial(categorical.choose_tokens, top_k=top_k, use_top_p=use_top_p,
                              return_entropy=return_entropy)
 
@@ -214,16 +231,16 @@ def decode_chunk(cfg, params, layers, slots: Slots, prompt_len, table_BxN, owner
     tokens_BxC, logp_BxC = put(tokens_BxC, token_B), put(logp_BxC, logp_B)
     if ent_BxC is not None:
       ent_BxC = put(ent_BxC, ent_B)
-    address_B = prompt_len + slots.steps_B
+    address_B = slots.prompt_len_B + slots.steps_B  # its position
     page_B = table_BxN[jnp.arange(B), jnp.minimum(address_B // T, N - 1)]
     paged = decode_layer.Paged(
         page_B=jnp.where(active_B, page_B, P), offset_B=address_B % T, owner_P=owner_P,
-        mask_PxT=attended(base_P, owner_P, prompt_len, slots.prompt_len_B, slots.steps_B, T))
-    positions_Bx1 = (slots.prompt_len_B + slots.steps_B)[:, None]
+        mask_PxT=attended(base_P, owner_P, address_B, T), table_BxN=table_BxN,
+        length_B=jnp.where(active_B, address_B + 1, 1))
     steps_B = slots.steps_B + active_B
     done_B = slots.done_B | jnp.isin(token_B, eos_ids_E) | (steps_B >= max_new_tokens)
     logits_BxV, caches = decode.layers_step(cfg, params, layers, slots.caches, paged,
-                                            positions_Bx1, None, token_B)
+                                            address_B[:, None], None, token_B)
     slots = slots.replace(caches=caches, logits_BxV=logits_BxV, steps_B=steps_B,
                           done_B=done_B)
     return i + 1, slots, tokens_BxC, logp_BxC, ent_BxC

@@ -1,0 +1,90 @@
+"""The TPU decode path (pool in the ragged paged-attention kernel's layout, the kernel on
+each row's pages) gives the rows the XLA path gives them.
+
+On CPU the kernel is JAX's own reference for it (`ref_ragged_paged_attention`, called
+through `pure_callback`): neither of Pallas's interpreters runs the Mosaic kernel in jax
+0.10.2 or 0.12 (the TPU interpreter cannot read through its reshaped VMEM buffer, the
+HLO interpreter cannot discharge its strided loads), so this checks everything around
+the kernel: the layout, the page table and lengths the kernel is given, the writes of
+new keys/values and the prompt's placement. `tests/aot_test.py` compiles the Mosaic
+kernel itself for a TPU mesh.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+from exgrpo_jax import models
+from exgrpo_jax import sampling
+from exgrpo_jax.sampling import paged_kernel
+from exgrpo_jax.sampling import slots as slots_lib
+
+# Prompts of 1 to 19 tokens; 9 rows through 3 slots in chunks of 4 steps: rows end at
+# different steps (EOS) and are admitted mid-run, beside rows of other lengths.
+PROMPTS = [[5, 6, 7], list(range(20, 39)), [3, 9, 4, 11, 2, 8, 30, 31, 40], [7], [8, 9]]
+COUNTS = [2, 3, 1, 2, 1]
+GREEDY = sampling.SamplingConfig(max_new_tokens=24, greedy=True, return_entropy=True)
+
+
+def reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                     **block_sizes):
+  """What `rpa.ragged_paged_attention` computes, from JAX's reference, on the host."""
+  del block_sizes
+  run = lambda *args: np.asarray(rpa.ref_ragged_paged_attention(
+      *map(jnp.asarray, args), sm_scale=sm_scale))
+  return jax.pure_callback(run, jax.ShapeDtypeStruct(q.shape, q.dtype), q, kv_pages,
+                           kv_lens, page_indices, cu_q_lens, num_seqs)
+
+
+@pytest.fixture(scope="module")
+def qwen2_model():
+  """A tiny Qwen2-shaped model (GQA: 4 query heads on 2 KV heads, q/k/v biases) with
+  EOS ids that end rows early."""
+  cfg = models.ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64,
+                           intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=16, attention_bias=True, tie_word_embeddings=False,
+                           eos_token_id=(1,), pad_token_id=0)
+  params = models.init_params(cfg, jax.random.key(0))
+  params["lm_head"] = params["lm_head"] * 10
+  free = sampling.make_engine("jax", cfg, None, scheduler="static").generate(
+      PROMPTS, COUNTS, params, jax.random.key(1), GREEDY)
+  eos = tuple(sorted({int(t) for t in free.tokens_NxT[[0, 3, 6], [2, 5, 9]]}))
+  return dataclasses.replace(cfg, eos_token_id=eos), params
+
+
+def _generate(cfg, params, monkeypatch, kernel: bool):
+  engine = sampling.make_engine("jax", cfg, None, max_rows=3, chunk_steps=4, page_size=4)
+  layouts = []
+  empty = engine.compiled
+
+  def spy(program, args, static, takes_cfg=True):
+    if program is slots_lib.empty:
+      layouts.append(static["kernel"])
+    return empty(program, args, static, takes_cfg)
+
+  monkeypatch.setattr(engine, "compiled", spy)
+  monkeypatch.setattr(paged_kernel, "wanted", lambda *_: kernel)
+  monkeypatch.setattr(paged_kernel, "KERNEL", reference_kernel)
+  out = engine.generate(PROMPTS, COUNTS, params, jax.random.key(1), GREEDY)
+  assert layouts == [kernel]
+  return out, engine.stats
+
+
+def test_kernel_path_gives_the_xla_paths_rows(qwen2_model, monkeypatch):
+  cfg, params = qwen2_model
+  ref, ref_stats = _generate(cfg, params, monkeypatch, kernel=False)
+  out, stats = _generate(cfg, params, monkeypatch, kernel=True)
+  assert len(set(ref.lengths_N)) > 2 and stats["prefills"] == ref_stats["prefills"]
+  np.testing.assert_array_equal(out.lengths_N, ref.lengths_N)
+  np.testing.assert_array_equal(out.tokens_NxT, ref.tokens_NxT)
+  np.testing.assert_allclose(out.logprobs_NxT, ref.logprobs_NxT, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(out.entropy_NxT, ref.entropy_NxT, rtol=0, atol=1e-5)
+
+
+def test_the_pool_takes_the_kernels_layout_on_tpu_only():
+  cfg = models.ModelConfig(head_dim=128)
+  assert not paged_kernel.wanted(cfg, None, 8)  # this host's CPU
