@@ -11,9 +11,6 @@ has: sleep and wake, and the external launcher across GPUs.
 
 import dataclasses
 import functools
-import json
-import socket
-import subprocess
 import sys
 import types
 
@@ -29,8 +26,8 @@ from exgrpo_jax import sharding
 from exgrpo_jax.models import export
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
-from tests import conftest
 from tests import vllm_stand_in
+from tests import vllm_two_process_main
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -43,11 +40,11 @@ COUNTS = [3, 0, 2, 4, 1, 2]
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_params():
-  """TINY's random params, sharded over every device (of every process) like the learner's."""
+def tiny_params(cfg=TINY):
+  """`cfg`'s random params, sharded over every device (of every process) like the learner's."""
   mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(shape=(-1, 1),
                                                            axes=("fsdp", "tensor"))))
-  return models.init_params(TINY, jax.random.key(0), models.param_shardings(TINY, mesh))
+  return models.init_params(cfg, jax.random.key(0), models.param_shardings(cfg, mesh))
 
 
 @pytest.fixture
@@ -284,13 +281,19 @@ def test_vllm_outputs_become_a_prompt_major_rollout():
   np.testing.assert_array_equal(out.truncated_N, [False, True, False])
   with pytest.raises(ValueError, match="returned 1 outputs for 2 prompts"):
     vllm_engine.raw_rows(results[:1], [2, 0, 1], 4, (2,), pad_id=0)
+  greedy = vllm_engine.raw_rows(results[1:], [0, 3], 4, (2,), pad_id=0)  # one for three
+  np.testing.assert_array_equal(greedy["tokens"], [[6, 0, 0, 0]] * 3)
+  np.testing.assert_array_equal(greedy["prompt_index"], [1, 1, 1])
+  with pytest.raises(ValueError, match="returned 2 completions for prompt 0's 3 samples"):
+    vllm_engine.raw_rows(results[:1], [3], 4, (2,), pad_id=0)
 
 
 def test_sampling_params_follow_the_config():
   greedy = vllm_engine.sampling_params_kwargs(
       sampling.SamplingConfig(greedy=True, temperature=0.6, max_new_tokens=9), 3, 11, (2, 5))
   assert greedy["temperature"] == 0.0 and greedy["top_k"] == -1 and greedy["stop"] is None
-  assert (greedy["n"], greedy["seed"], greedy["max_tokens"]) == (3, 11, 9)
+  # vLLM refuses n > 1 for greedy requests: one completion stands for the three.
+  assert (greedy["n"], greedy["seed"], greedy["max_tokens"]) == (1, 11, 9)
   assert greedy["stop_token_ids"] == [2, 5] and greedy["logprobs"] == 0
   sampled = vllm_engine.sampling_params_kwargs(
       sampling.SamplingConfig(temperature=0.6, top_p=0.9, top_k=20, stop_strings=("</s>",)),
@@ -299,26 +302,9 @@ def test_sampling_params_follow_the_config():
   assert sampled["stop"] == ["</s>"] and sampled["include_stop_str_in_output"]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_split_the_rows_and_gather_them_in_order(stand_in):
-  port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "tests.vllm_two_process_main"], cwd=conftest.REPO_ROOT, text=True,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      env=conftest.subprocess_env(
-          JAX_PLATFORMS="cpu", XLA_FLAGS="", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-          JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))) for pid in range(2)]
-  results = []
-  for proc in procs:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    results.append(json.loads(out.strip().splitlines()[-1]))
+  _, results = vllm_two_process_main.run()
 
   # One process, the same prompts and key: the reference order and values.
   engine = make(TINY)
@@ -326,9 +312,10 @@ def test_two_processes_split_the_rows_and_gather_them_in_order(stand_in):
                         sampling.SamplingConfig(max_new_tokens=5))
   ranges = vllm_setup.split_prompts(np.array(COUNTS), 2)
   for pid, r in enumerate(results):
-    assert r["env"] == dict(RANK=str(pid), WORLD_SIZE="2", LOCAL_RANK="0",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1))
-    assert r["backend"] == "external_launcher" and r["seed"] == pid
+    # tensor_parallel_size 1: a vLLM of its own in each process, no launcher.
+    assert r["env"] == dict.fromkeys(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                      "MASTER_PORT"))
+    assert r["backend"] is None and r["seed"] == pid
     a, b = ranges[pid]  # each process generated only its own prompts
     assert r["generated"] == [PROMPTS[i] for i in range(a, b) if COUNTS[i]]
     np.testing.assert_array_equal(r["tokens"], ref.tokens_NxT)
@@ -340,6 +327,19 @@ def test_two_processes_split_the_rows_and_gather_them_in_order(stand_in):
     np.testing.assert_allclose([r["loaded_sums"][n] for n, _ in expected],
                                [a.astype(np.float64).sum() for _, a in expected], rtol=1e-6)
   assert ranges[0][1] - ranges[0][0] > 0 and ranges[1][1] - ranges[1][0] > 0
+
+
+def test_tensor_parallel_groups_get_a_torch_distributed_world_each():
+  env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.5:9000"}
+  worlds = [vllm_setup.launcher_env(vllm_setup.ProcessLayout.create(2, p, 4, 1), 0, env)
+            for p in range(4)]
+  assert [(w["RANK"], w["WORLD_SIZE"], w["MASTER_PORT"]) for w in worlds] == [
+      ("0", "2", "9001"), ("1", "2", "9001"), ("0", "2", "9002"), ("1", "2", "9002")]
+  assert {w["MASTER_ADDR"] for w in worlds} == {"127.0.0.1"}  # a group is node-local
+  assert vllm_setup.launcher_env(vllm_setup.ProcessLayout.create(2, 3, 4, 1), 0,
+                                 {"MASTER_PORT": "7000"})["MASTER_PORT"] == "7001"
+  with pytest.raises(ValueError, match="needs MASTER_PORT"):
+    vllm_setup.launcher_env(vllm_setup.ProcessLayout.create(2, 0, 2, 1), 0, {})
 
 
 def test_choosing_vllm_where_it_cannot_run_says_why():

@@ -8,6 +8,7 @@ float32:
   the output, and after the original parameters come back (the weight hand-off);
 * K samples per prompt with seeds reproduce across calls, with their log-probs equal to
   the learner's teacher-forced log_softmax(logits / T); stop strings and EOS end rows;
+* two JAX processes split the rows between their vLLMs and gather them in order;
 * a trainer step rolls out and evaluates through it.
 vLLM starts without torch.compile (`enforce_eager`) to keep start-up at seconds.
 """
@@ -24,7 +25,9 @@ from exgrpo_jax import sampling
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
 from tests import sampler_test
+from tests import sampling_vllm_test
 from tests import vllm_stand_in
+from tests import vllm_two_process_main
 
 pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run installs its CPU build)")
 torch = pytest.importorskip("torch")
@@ -97,6 +100,21 @@ def test_greedy_equals_the_jax_engine_across_weight_updates_qwen2_biases(tmp_pat
     check_greedy_follows_the_weights(engines, prompts, policy.params, changed)
   finally:
     engines["vllm"].close()
+
+
+def test_two_processes_split_the_rows_and_gather_them_in_order():
+  # tensor_parallel_size 1: each JAX process runs a vLLM of its own on half the prompts.
+  _, results = vllm_two_process_main.run("real")
+  cfg = vllm_two_process_main.real_config(sampling_vllm_test.TINY)
+  ref = sampling.make_engine("jax", cfg, vllm_stand_in.tiny_tokenizer(cfg.vocab_size)).generate(
+      sampling_vllm_test.PROMPTS, sampling_vllm_test.COUNTS,
+      sampling_vllm_test.tiny_params(cfg), jax.random.key(7),
+      sampling.SamplingConfig(greedy=True, max_new_tokens=5))
+  for r in results:  # every process holds all rows, in prompt order
+    np.testing.assert_array_equal(r["prompt_index"], ref.prompt_index_N)
+    np.testing.assert_array_equal(r["tokens"], ref.tokens_NxT)
+    np.testing.assert_allclose(r["logprobs"], ref.logprobs_NxT, atol=1e-4)
+    assert r["texts"] == ref.texts
 
 
 def test_a_trainer_step_rolls_out_and_evaluates_through_vllm(tmp_path):

@@ -186,9 +186,13 @@ def torch_weights(cfg: config_lib.ModelConfig, params, dtype: str):
 
 def sampling_params_kwargs(sampling: base.SamplingConfig, count: int, seed: int,
                            eos_ids: tuple[int, ...], ignore_eos: bool = False) -> dict:
-  """vLLM `SamplingParams` arguments for one prompt's `count` samples."""
+  """vLLM `SamplingParams` arguments for one prompt's `count` samples.
+
+  Greedy samples are all the same and vLLM refuses n > 1 for them: one is asked for
+  (`raw_rows` repeats it).
+  """
   return dict(
-      n=count, temperature=0.0 if sampling.is_greedy else sampling.temperature,
+      n=1 if sampling.is_greedy else count, temperature=0.0 if sampling.is_greedy else sampling.temperature,
       top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
       max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed,
       stop=list(sampling.stop_strings) or None, ignore_eos=ignore_eos,
@@ -198,11 +202,20 @@ def sampling_params_kwargs(sampling: base.SamplingConfig, count: int, seed: int,
 
 def raw_rows(request_outputs, counts, max_new_tokens: int, eos_ids, pad_id: int,
              first_prompt: int = 0) -> dict:
-  """vLLM `RequestOutput`s (one per prompt with a count > 0, in order) as padded arrays."""
-  live = [first_prompt + i for i, c in enumerate(counts) if c > 0]
+  """vLLM `RequestOutput`s (one per prompt with a count > 0, in order) as padded arrays.
+
+  A prompt's one completion stands for all its samples when it asked for more (greedy).
+  """
+  live = [(first_prompt + i, c) for i, c in enumerate(counts) if c > 0]
   if len(request_outputs) != len(live):
     raise ValueError(f"vLLM returned {len(request_outputs)} outputs for {len(live)} prompts")
-  rows = [(i, c) for i, r in zip(live, request_outputs) for c in r.outputs]
+  rows = []
+  for (i, count), r in zip(live, request_outputs):
+    completions = list(r.outputs) * (count if len(r.outputs) == 1 else 1)
+    if len(completions) != count:
+      raise ValueError(f"vLLM returned {len(r.outputs)} completions for prompt {i}'s "
+                       f"{count} samples")
+    rows += [(i, c) for c in completions]
   T = max_new_tokens
   raw = dict(tokens=np.full((len(rows), T), pad_id, np.int32),
              logprobs=np.zeros((len(rows), T), np.float32),
@@ -265,6 +278,9 @@ class VllmEngine:
 
   def __init__(self, model_cfg, tokenizer, options: vllm_setup.VllmOptions | None = None,
                ignore_eos: bool = False, **llm_kwargs):
+    # vLLM logs every start-up step at INFO (read when vllm is first imported): keep a
+    # run's console to its progress lines; VLLM_LOGGING_LEVEL=INFO brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     self.platform = check_available()
     other = VllmEngine._running and VllmEngine._running()
     if other is not None and other.llm is not None:
@@ -301,7 +317,7 @@ class VllmEngine:
       self.memory = vllm_setup.plan_split(model_cfg, options, _device_bytes(local_rank),
                                           jax_fraction)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if self.layout.processes > 1:
+    if self.layout.tensor_parallel_size > 1:
       for name, value in vllm_setup.launcher_env(self.layout, local_rank).items():
         os.environ.setdefault(name, value)
       llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")

@@ -22,9 +22,10 @@ available at start-up (vLLM's automatic size subtracts the whole process's resid
 memory, JAX's included, from its share, so it is not used).
 
 Processes (`ProcessLayout`, `split_prompts`): TRL's colocate pattern. One JAX process
-per GPU (jax.distributed); every process owns one vLLM rank on its GPU; groups of
-`tensor_parallel_size` consecutive processes form one vLLM (torch.distributed through
-vLLM's "external_launcher" backend). Every process knows the whole step's prompts (the
+per GPU (jax.distributed); every process owns one vLLM rank on its GPU. With
+`tensor_parallel_size` 1 each process runs a vLLM of its own; otherwise groups of that
+many consecutive processes, on one node, form one vLLM (vLLM's "external_launcher"
+backend, a torch.distributed world per group). Every process knows the whole step's prompts (the
 host side is replicated, see `exgrpo_jax.distributed`); each group generates a
 contiguous slice of them, balanced by rows, and the slices are gathered back in order.
 """
@@ -245,18 +246,23 @@ def split_prompts(counts: np.ndarray, groups: int) -> list[tuple[int, int]]:
 
 
 def launcher_env(layout: ProcessLayout, local_rank: int, environ=os.environ) -> dict:
-  """torch.distributed variables for vLLM's external launcher (RANK, WORLD_SIZE, ...)."""
-  env = dict(RANK=str(layout.process), WORLD_SIZE=str(layout.processes),
-             LOCAL_RANK=str(local_rank))
-  addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
-  if not (addr and port):
-    host, _, jax_port = environ.get("JAX_COORDINATOR_ADDRESS", "").rpartition(":")
-    if not (host and jax_port.isdigit()):
-      raise ValueError("vLLM over several JAX processes needs MASTER_ADDR and MASTER_PORT "
+  """torch.distributed variables for vLLM's external launcher: one world per group.
+
+  vLLM's world is its instance (tensor_parallel_size ranks), not the JAX run: with every
+  process in one world, ranks past the first group are refused. A group rendezvous on
+  its node at port MASTER_PORT (else the JAX coordinator's port + 1) plus its index.
+  """
+  port = environ.get("MASTER_PORT", "")
+  if not port:
+    _, _, jax_port = environ.get("JAX_COORDINATOR_ADDRESS", "").rpartition(":")
+    if not jax_port.isdigit():
+      raise ValueError("vLLM with tensor_parallel_size > 1 needs MASTER_PORT "
                        "(torch.distributed) or JAX_COORDINATOR_ADDRESS=host:port to derive "
-                       "them from")
-    addr, port = addr or host, port or str(int(jax_port) + 1)
-  return dict(env, MASTER_ADDR=addr, MASTER_PORT=port)
+                       "it from")
+    port = str(int(jax_port) + 1)
+  return dict(RANK=str(layout.process % layout.tensor_parallel_size),
+              WORLD_SIZE=str(layout.tensor_parallel_size), LOCAL_RANK=str(local_rank),
+              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(int(port) + layout.group))
 
 
 def max_rows(counts: np.ndarray, ranges: list[tuple[int, int]]) -> int:

@@ -84,6 +84,7 @@ class Trainer:
     options = ({"max_rows": config.rollout.max_rows or None,
                 "scheduler": config.rollout.scheduler} if config.rollout.engine == "jax" else
                {"options": vllm_setup.VllmOptions.from_config(config)})
+    self._owns_engine = engine is None
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
     self.grader = grading.Grader(config)
@@ -314,7 +315,9 @@ class Trainer:
     return metrics
 
   def close(self) -> None:
-    """Closes the log, the reward workers and the checkpoint store."""
+    """Closes the log, the reward workers, the checkpoint store and an engine it built."""
+    if self._owns_engine:
+      self.engine.close()
     self.log.close()
     self.grader.close()
     self.state.close()
