@@ -11,6 +11,11 @@ kernel itself for a TPU mesh.
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +25,10 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax import sharding
 from exgrpo_jax.sampling import paged_kernel
 from exgrpo_jax.sampling import slots as slots_lib
+from tests import conftest
 
 # Prompts of 1 to 19 tokens; 9 rows through 3 slots in chunks of 4 steps: rows end at
 # different steps (EOS) and are admitted mid-run, beside rows of other lengths.
@@ -40,8 +47,7 @@ def reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
-@pytest.fixture(scope="module")
-def qwen2_model():
+def _qwen2_model():
   """A tiny Qwen2-shaped model (GQA: 4 query heads on 2 KV heads, q/k/v biases) with
   EOS ids that end rows early."""
   cfg = models.ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64,
@@ -56,8 +62,13 @@ def qwen2_model():
   return dataclasses.replace(cfg, eos_token_id=eos), params
 
 
-def _generate(cfg, params, monkeypatch, kernel: bool):
-  engine = sampling.make_engine("jax", cfg, None, max_rows=3, chunk_steps=4, page_size=4)
+@pytest.fixture(scope="module")
+def qwen2_model():
+  return _qwen2_model()
+
+
+def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3):
+  engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=4, page_size=4)
   layouts = []
   empty = engine.compiled
 
@@ -74,15 +85,53 @@ def _generate(cfg, params, monkeypatch, kernel: bool):
   return out, engine.stats
 
 
+def _assert_same_rows(out, ref):
+  np.testing.assert_array_equal(out.lengths_N, ref.lengths_N)
+  np.testing.assert_array_equal(out.tokens_NxT, ref.tokens_NxT)
+  np.testing.assert_allclose(out.logprobs_NxT, ref.logprobs_NxT, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(out.entropy_NxT, ref.entropy_NxT, rtol=0, atol=1e-5)
+
+
 def test_kernel_path_gives_the_xla_paths_rows(qwen2_model, monkeypatch):
   cfg, params = qwen2_model
   ref, ref_stats = _generate(cfg, params, monkeypatch, kernel=False)
   out, stats = _generate(cfg, params, monkeypatch, kernel=True)
   assert len(set(ref.lengths_N)) > 2 and stats["prefills"] == ref_stats["prefills"]
-  np.testing.assert_array_equal(out.lengths_N, ref.lengths_N)
-  np.testing.assert_array_equal(out.tokens_NxT, ref.tokens_NxT)
-  np.testing.assert_allclose(out.logprobs_NxT, ref.logprobs_NxT, rtol=0, atol=1e-5)
-  np.testing.assert_allclose(out.entropy_NxT, ref.entropy_NxT, rtol=0, atol=1e-5)
+  _assert_same_rows(out, ref)
+
+
+def _mesh_child(outdir: str) -> None:
+  """On a 2 x 2 mesh of CPU devices: 4 slots, rows and pages split in 2, KV heads in 2;
+  the tail moves rows between halves (their pages follow)."""
+  monkeypatch = pytest.MonkeyPatch()
+  cfg, params = _qwen2_model()
+  mesh = sharding.make_mesh(types.SimpleNamespace(shape=(2, 2), axes=("fsdp", "tensor")))
+  params = jax.device_put(params, models.param_shardings(cfg, mesh))
+  rows = {}
+  for kernel in (False, True):
+    out, stats = _generate(cfg, params, monkeypatch, kernel=kernel, slots=4)
+    rows[kernel] = dict(lengths=out.lengths_N.tolist(), tokens=out.tokens_NxT.tolist(),
+                        logprobs=out.logprobs_NxT.tolist(), entropy=out.entropy_NxT.tolist())
+  with open(os.path.join(outdir, "rows.json"), "w", encoding="utf-8") as f:
+    json.dump({str(k): v for k, v in rows.items()}, f)
+
+
+@pytest.mark.slow
+def test_kernel_path_on_a_mesh_gives_the_xla_paths_rows(tmp_path):
+  env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
+                                XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run(
+      [sys.executable, "-c",
+       f"from tests import paged_kernel_test as t; t._mesh_child({str(tmp_path)!r})"],
+      cwd=conftest.REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  with open(tmp_path / "rows.json", encoding="utf-8") as f:
+    rows = json.load(f)
+  ref, out = rows["False"], rows["True"]
+  assert ref["lengths"] == out["lengths"] and ref["tokens"] == out["tokens"]
+  np.testing.assert_allclose(out["logprobs"], ref["logprobs"], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(out["entropy"], ref["entropy"], rtol=0, atol=1e-5)
 
 
 def test_the_pool_takes_the_kernels_layout_on_tpu_only():
