@@ -278,9 +278,11 @@ class VllmEngine:
 
   def __init__(self, model_cfg, tokenizer, options: vllm_setup.VllmOptions | None = None,
                ignore_eos: bool = False, **llm_kwargs):
-    # vLLM logs every start-up step at INFO (read when vllm is first imported): keep a
-    # run's console to its progress lines; VLLM_LOGGING_LEVEL=INFO brings them back.
+    # vLLM logs every start-up step at INFO, to stdout (read when vllm is first
+    # imported): warnings only, to stderr, keep stdout to a run's progress lines and a
+    # script's JSON; VLLM_LOGGING_LEVEL=INFO brings the rest back.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     self.platform = check_available()
     other = VllmEngine._running and VllmEngine._running()
     if other is not None and other.llm is not None:
@@ -312,6 +314,10 @@ class VllmEngine:
       # has no attribute 'finalize_loading'") and compiles again on every start; without
       # AOT compilation, torch's own compile caches hit on the second start.
       os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+      # A seeded request whose prompt is split over two steps makes vLLM rewind its
+      # generator, which CPU generators cannot ("CPU Generator does not use offset"):
+      # prompts are prefilled whole.
+      llm_kwargs.setdefault("enable_chunked_prefill", False)
     else:
       jax_fraction = vllm_setup.jax_held_fraction() if device.platform == "gpu" else None
       self.memory = vllm_setup.plan_split(model_cfg, options, _device_bytes(local_rank),
