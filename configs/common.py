@@ -95,6 +95,7 @@ def base_config() -> ml_collections.ConfigDict:
           sleep_level=2,               # after each rollout: 0 stay, 1 weights to CPU, 2 free
           max_num_seqs=256,            # sequences vLLM decodes at once
           enforce_eager=False,         # True: no CUDA graphs (less memory, slower)
+          dtype="",                    # vLLM's compute dtype; "" = model.dtype
       )),
   ))
 

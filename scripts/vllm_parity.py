@@ -17,7 +17,6 @@ Every difference is over valid response tokens. vLLM starts without torch.compil
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -63,7 +62,7 @@ def differences(learner, out, cap):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2)")
-  p.add_argument("--dtype", default="float32", help="vLLM's compute dtype")
+  p.add_argument("--dtype", default="float32", help="vLLM's compute dtype (rollout.vllm.dtype)")
   p.add_argument("--prompts", type=int, default=24)
   p.add_argument("--samples", type=int, default=4)
   p.add_argument("--temperature", type=float, default=0.7)
@@ -78,10 +77,9 @@ def main(argv=None):
              for q in questions]
   jax_engine = sampling.make_engine("jax", policy.config, tokenizer)
   vllm = sampling.make_engine(
-      "vllm", dataclasses.replace(policy.config, dtype=args.dtype), tokenizer,
-      options=vllm_setup.VllmOptions(
+      "vllm", policy.config, tokenizer, options=vllm_setup.VllmOptions(
           max_model_len=max(map(len, prompts)) + args.new_tokens, sleep_level=0,
-          enforce_eager=True))
+          enforce_eager=True, dtype=args.dtype))
   greedy = sampling.SamplingConfig(greedy=True, max_new_tokens=args.new_tokens)
   sampled = sampling.SamplingConfig(temperature=args.temperature,
                                     max_new_tokens=args.new_tokens)

@@ -114,7 +114,7 @@ def test_engine_passes_the_configured_options(stand_in):
   c.eval.every = 0
   c.train.seed = 5
   c.rollout.vllm.update(dict(gpu_memory_utilization=0.25, max_num_seqs=64, sleep_level=1,
-                             enforce_eager=True))
+                             enforce_eager=True, dtype="bfloat16"))
   options = vllm_setup.VllmOptions.from_config(c)
   engine = vllm_engine.VllmEngine(TINY, stand_in.tiny_tokenizer(96), options)
   kwargs = stand_in.INSTANCES[0].kwargs
@@ -124,11 +124,13 @@ def test_engine_passes_the_configured_options(stand_in):
                                  "logprobs_mode")} == dict(
       gpu_memory_utilization=0.25, tensor_parallel_size=1, max_model_len=64,
       max_num_seqs=64, enforce_eager=True, enable_sleep_mode=True, seed=5,
-      dtype="float32", load_format="dummy", logprobs_mode="processed_logprobs")
+      dtype="bfloat16", load_format="dummy", logprobs_mode="processed_logprobs")
   assert "distributed_executor_backend" not in kwargs  # one process: vLLM's default
   engine.generate(PROMPTS, COUNTS, tiny_params(), jax.random.key(0),
                   sampling.SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=6))
   assert engine.memory.kv_sequences > 0
+  # rollout.vllm.dtype: a bfloat16 vLLM beside the float32 model gets bfloat16 weights.
+  assert {v[1] for v in stand_in.INSTANCES[0].loaded.values()} == {torch.bfloat16}
   assert [c[1] for c in stand_in.INSTANCES[0].calls if c[0] == "sleep"] == [1]
 
   c.eval.every, c.eval.max_new_tokens = 10, 100  # evaluation's longer answers count
@@ -137,13 +139,14 @@ def test_engine_passes_the_configured_options(stand_in):
 
 def test_bad_options_get_one_line_each():
   c = common.base_config()
-  c.rollout.vllm.update(dict(gpu_memory_utilization=1.5, sleep_level=3, max_num_seqs=0))
+  c.rollout.vllm.update(dict(gpu_memory_utilization=1.5, sleep_level=3, max_num_seqs=0,
+                             dtype="float8"))
   with pytest.raises(ValueError) as e:
     vllm_setup.VllmOptions.from_config(c)
   lines = str(e.value).splitlines()
   assert [line.split("=")[0] for line in lines] == [
       "config.rollout.vllm.gpu_memory_utilization", "config.rollout.vllm.max_num_seqs",
-      "config.rollout.vllm.sleep_level"]
+      "config.rollout.vllm.sleep_level", "config.rollout.vllm.dtype"]
 
 
 def test_config_check_names_bad_vllm_values():

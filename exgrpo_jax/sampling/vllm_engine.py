@@ -296,6 +296,9 @@ class VllmEngine:
     lines = options.problems()
     if lines:
       raise ValueError("\n".join(lines))
+    # vLLM computes in its own dtype (a bfloat16 rollout beside a float32 learner, say):
+    # its memory, its weights and the hand-off follow it.
+    model_cfg = dataclasses.replace(model_cfg, dtype=options.dtype or model_cfg.dtype)
     self.layout = vllm_setup.ProcessLayout.create(
         options.tensor_parallel_size, jax.process_index(), jax.process_count(),
         jax.local_device_count())

@@ -45,7 +45,8 @@ MAX_TOTAL_FRACTION = 0.95
 WORKING_BYTES = 2 * GIB
 # vLLM's CPU build: at most this share of the host's available memory for the KV cache.
 CPU_KV_SHARE = 0.25
-SLEEP_LEVELS = (0, 1, 2)  # 0 = never sleep; 1 = weights to CPU; 2 = weights discarded
+SLEEP_LEVELS = (0, 1, 2)
+VLLM_DTYPES = ("", "float32", "bfloat16", "float16")  # 0 = never sleep; 1 = weights to CPU; 2 = weights discarded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class VllmOptions:
   sleep_level: int = 2
   max_num_seqs: int = 256
   enforce_eager: bool = False
+  dtype: str = ""  # vLLM's compute dtype; "" = the model's (model.dtype)
   seed: int = 0
 
   def problems(self) -> list[str]:
@@ -81,6 +83,8 @@ class VllmOptions:
           "discarded, reloaded from JAX)")
     if not isinstance(self.enforce_eager, bool):
       bad("enforce_eager", "must be True or False")
+    if self.dtype not in VLLM_DTYPES:
+      bad("dtype", f"must be one of {VLLM_DTYPES} (\"\": the model's, model.dtype)")
     if not is_int(self.max_model_len) or self.max_model_len < 2:
       lines.append(f"max_model_len={self.max_model_len!r} (data.max_prompt_tokens + "
                    "max_new_tokens) must be an integer >= 2")
