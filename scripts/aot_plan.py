@@ -151,13 +151,33 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
               verdict=final["first_failure"] or f"fits: {flags}")
 
 
+def pool_bound(report: dict, page_size: int = 64) -> float:
+  """Rows per call the pool leaves room for (an estimate from the compiler's figures): the
+  usable memory less decode_chunk's device peak without its pool (what stays resident,
+  the rollout's weights, the decode's temporaries), over a full-length row's KV bytes
+  per device (the engine's pages of `page_size`, KV heads split by tensor where they
+  divide, rows by the batch axes)."""
+  from exgrpo_jax.sampling import jax_engine  # pylint: disable=g-import-not-at-top
+  m, b, mesh = report["model"], report["batch"], report["mesh"]
+  tensor = mesh.get("tensor", 1)
+  kv_heads = m["kv_heads"] // tensor if m["kv_heads"] % tensor == 0 else m["kv_heads"]
+  length = jax_engine.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]
+  row_bytes = (-(-length // page_size) * page_size * 2 * kv_heads * (m["hidden"] // m["heads"])
+               * 2 * m["layers"] / (report["devices"] // tensor))
+  decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
+  fixed = decode["device_peak_bytes"] - b["max_rows"] * row_bytes
+  return (decode["usable_bytes"] - fixed) / row_bytes
+
+
 def render(paths) -> str:
-  """BUILD.md's tables: per config and target, the chosen settings and the compiler's
-  per-device peaks (GiB) of the learner step and the largest rollout program, with the
+  """BUILD.md's tables: per config and target, the chosen settings, the pool's bound on
+  the rows (`pool_bound`) and the compiler's per-device peaks (GiB) of the learner step
+  and the largest rollout program, with the
   verdict of each that does not fit below; then the roofline estimate of one training
   step with them."""
-  lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | learner peak "
-           "| rollout peak (program) | usable |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | pool bound "
+           "| learner peak | rollout peak (program) | usable |",
+           "|---|---|---|---|---|---|---|---|---|"]
   estimates = ["| config | target | rollout s | old-log-prob recompute s | learner s "
                "| step s |", "|---|---|---|---|---|---|"]
   verdicts = []
@@ -169,7 +189,7 @@ def render(paths) -> str:
       plans.append((p["config"].removeprefix("configs/").removesuffix(".py"), p))
   for name, p in sorted(plans, key=lambda t: (t[0], t[1]["target"])):
     if not p["fits"] or "report" not in p:
-      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | "
+      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | | "
                    f"| {p['usable_gib']:.2f} |")
       verdicts.append(f"- {p['verdict']}")
       continue
@@ -180,6 +200,7 @@ def render(paths) -> str:
     lines.append(
         f"| {name} | {p['target']} | {p['report']['mesh'].get('fsdp', 1)} x "
         f"{p['report']['mesh'].get('tensor', 1)} | {c['micro_batch_size']} | {c['max_rows']} "
+        f"| {pool_bound(p['report']):.0f} "
         f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
         f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
         f"| {p['usable_gib']:.2f} |")
