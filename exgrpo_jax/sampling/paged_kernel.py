@@ -30,9 +30,9 @@ P = jax.sharding.PartitionSpec
 # The kernel; a test swaps in JAX's reference for it (neither of Pallas's interpreters
 # runs this kernel on CPU in jax 0.10 or 0.12).
 KERNEL = rpa.ragged_paged_attention
-# Keys per kernel block (`num_kv_pages_per_block` x T) and queries per block: the tuned
-# table's choice for pages of 64 (JAX picks from it only when running on a TPU, not
-# when compiling ahead of time on a CPU host).
+# Keys per kernel block (`num_kv_pages_per_block` x T) and queries per block: the kernel's
+# tuned table's most common v5 choice for pages of 64, 16 pages and 32 queries (JAX looks
+# it up from the attached TPU, which an ahead-of-time compile on a CPU host has not).
 _BLOCK_KEYS = 1024
 _BLOCK_QUERIES = 32
 
