@@ -250,6 +250,24 @@ def test_memory_splits_that_cannot_fit_are_refused_with_one_line():
   assert vllm_setup.jax_held_fraction({}) == 0.75
 
 
+def test_the_cpu_kv_cache_holds_whole_blocks_of_max_num_seqs_sequences():
+  per_token = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4  # float32
+  cfg = dataclasses.replace(TINY, dtype="float32")
+  one = vllm_setup.VllmOptions(max_model_len=520, max_num_seqs=1)
+  plan = vllm_setup.plan_cpu_kv(cfg, one, 8 * vllm_setup.GIB, environ={})
+  # 520 tokens take five 128-token blocks: vLLM refused the 520-token size at start.
+  assert plan.kv_cache_bytes == 640 * per_token and plan.kv_sequences == 1
+  many = vllm_setup.VllmOptions(max_model_len=520, max_num_seqs=10**6)
+  capped = vllm_setup.plan_cpu_kv(cfg, many, 8 * vllm_setup.GIB, environ={})
+  assert capped.kv_cache_bytes == int(vllm_setup.CPU_KV_SHARE * 8 * vllm_setup.GIB)
+  assert vllm_setup.plan_cpu_kv(cfg, one, 8 * vllm_setup.GIB, environ={
+      "VLLM_CPU_KVCACHE_SPACE": "2"}).kv_cache_bytes == 2 * vllm_setup.GIB
+  with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE='lots' must be a whole"):
+    vllm_setup.plan_cpu_kv(cfg, one, 8 * vllm_setup.GIB, {"VLLM_CPU_KVCACHE_SPACE": "lots"})
+  with pytest.raises(ValueError, match="less than one 520-token sequence"):
+    vllm_setup.plan_cpu_kv(cfg, one, 1000, environ={})
+
+
 def test_the_engine_refuses_a_split_before_starting_vllm(stand_in, monkeypatch):
   monkeypatch.setattr(vllm_engine, "_device_bytes", lambda rank: 2 * vllm_setup.GIB)
   with pytest.raises(ValueError, match="gives vLLM 0.6 GiB of the 2.0 GiB GPU"):

@@ -45,6 +45,7 @@ MAX_TOTAL_FRACTION = 0.95
 WORKING_BYTES = 2 * GIB
 # vLLM's CPU build: at most this share of the host's available memory for the KV cache.
 CPU_KV_SHARE = 0.25
+CPU_BLOCK_TOKENS = 128  # vLLM's KV block on CPU (tokens)
 SLEEP_LEVELS = (0, 1, 2)
 VLLM_DTYPES = ("", "float32", "bfloat16", "float16")  # 0 = never sleep; 1 = weights to CPU; 2 = weights discarded
 
@@ -175,6 +176,9 @@ def plan_cpu_kv(model_cfg: config_lib.ModelConfig, options: VllmOptions,
                 available_bytes: int, environ=os.environ) -> MemorySplit:
   """vLLM's CPU build: the KV cache size in host memory; ValueError (one line) if short."""
   weights, kv_seq = _weight_and_sequence_bytes(model_cfg, options)
+  # vLLM gives a sequence whole blocks: max_model_len rounded up to the CPU block.
+  blocks = -(-options.max_model_len // CPU_BLOCK_TOKENS)
+  kv_seq = kv_seq // options.max_model_len * blocks * CPU_BLOCK_TOKENS
   space = environ.get("VLLM_CPU_KVCACHE_SPACE", "")
   if space:
     if not space.isdigit():
