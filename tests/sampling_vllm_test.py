@@ -255,11 +255,13 @@ def test_the_cpu_kv_cache_holds_whole_blocks_of_max_num_seqs_sequences():
   cfg = dataclasses.replace(TINY, dtype="float32")
   one = vllm_setup.VllmOptions(max_model_len=520, max_num_seqs=1)
   plan = vllm_setup.plan_cpu_kv(cfg, one, 8 * vllm_setup.GIB, environ={})
-  # 520 tokens take five 128-token blocks: vLLM refused the 520-token size at start.
-  assert plan.kv_cache_bytes == 640 * per_token and plan.kv_sequences == 1
+  # 520 tokens take five 128-token blocks, and vLLM keeps one more: it refused both the
+  # 520-token size and five blocks at start.
+  assert plan.kv_cache_bytes == (640 + 128) * per_token and plan.kv_sequences == 1
   many = vllm_setup.VllmOptions(max_model_len=520, max_num_seqs=10**6)
   capped = vllm_setup.plan_cpu_kv(cfg, many, 8 * vllm_setup.GIB, environ={})
-  assert capped.kv_cache_bytes == int(vllm_setup.CPU_KV_SHARE * 8 * vllm_setup.GIB)
+  assert capped.kv_cache_bytes == 128 * per_token + int(vllm_setup.CPU_KV_SHARE * 8
+                                                        * vllm_setup.GIB)
   assert vllm_setup.plan_cpu_kv(cfg, one, 8 * vllm_setup.GIB, environ={
       "VLLM_CPU_KVCACHE_SPACE": "2"}).kv_cache_bytes == 2 * vllm_setup.GIB
   with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE='lots' must be a whole"):

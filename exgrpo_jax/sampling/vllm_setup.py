@@ -176,27 +176,28 @@ def plan_cpu_kv(model_cfg: config_lib.ModelConfig, options: VllmOptions,
                 available_bytes: int, environ=os.environ) -> MemorySplit:
   """vLLM's CPU build: the KV cache size in host memory; ValueError (one line) if short."""
   weights, kv_seq = _weight_and_sequence_bytes(model_cfg, options)
-  # vLLM gives a sequence whole blocks: max_model_len rounded up to the CPU block.
-  blocks = -(-options.max_model_len // CPU_BLOCK_TOKENS)
-  kv_seq = kv_seq // options.max_model_len * blocks * CPU_BLOCK_TOKENS
+  # vLLM gives a sequence whole blocks (max_model_len rounded up to the CPU block) and
+  # keeps one block of the cache for itself (its null block).
+  block = kv_seq // options.max_model_len * CPU_BLOCK_TOKENS
+  kv_seq = -(-options.max_model_len // CPU_BLOCK_TOKENS) * block
   space = environ.get("VLLM_CPU_KVCACHE_SPACE", "")
   if space:
     if not space.isdigit():
       raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={space!r} must be a whole number of GiB")
     kv_bytes, source = int(space) * GIB, f"VLLM_CPU_KVCACHE_SPACE={space}"
   else:
-    kv_bytes = int(min(options.max_num_seqs * kv_seq, CPU_KV_SHARE * available_bytes))
+    kv_bytes = block + int(min(options.max_num_seqs * kv_seq, CPU_KV_SHARE * available_bytes))
     source = (f"a quarter of the {available_bytes / GIB:.1f} GiB of host memory available"
               " (set VLLM_CPU_KVCACHE_SPACE=<GiB> to choose)")
-  if kv_bytes < kv_seq:
+  if kv_bytes - block < kv_seq:
     raise ValueError(
         f"vLLM's CPU KV cache from {source} is {kv_bytes / GIB:.2f} GiB, less than one "
-        f"{options.max_model_len}-token sequence ({kv_seq / GIB:.2f} GiB); free memory or "
-        "shorten data.max_prompt_tokens / max_new_tokens")
+        f"{options.max_model_len}-token sequence ({kv_seq / GIB:.2f} GiB) and vLLM's own "
+        "block; free memory or shorten data.max_prompt_tokens / max_new_tokens")
   return MemorySplit(device_gib=available_bytes / GIB, jax_fraction=None,
                      vllm_fraction=kv_bytes / available_bytes,
                      vllm_weights_gib=weights / GIB, kv_gib_per_sequence=kv_seq / GIB,
-                     kv_sequences=int(kv_bytes // kv_seq), kv_cache_bytes=kv_bytes)
+                     kv_sequences=int((kv_bytes - block) // kv_seq), kv_cache_bytes=kv_bytes)
 
 
 # --- processes -----------------------------------------------------------------------------
