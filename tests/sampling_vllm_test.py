@@ -62,17 +62,24 @@ def make(cfg=TINY, **options):
   return vllm_engine.VllmEngine(cfg, vllm_stand_in.tiny_tokenizer(cfg.vocab_size), options)
 
 
-def test_the_weights_load_into_transformers_with_identical_logits(tmp_path):
+def random_qwen2(directory, hidden_size: int, scale: float, **config):
+  """A random 2-layer Qwen2 (biases, untied head: every layout) saved by transformers to
+  `directory`, and our policy loaded from it: (its HF config, the policy)."""
   torch.manual_seed(0)
-  hf_cfg = transformers.Qwen2Config(  # biases and an untied head: every layout
-      vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+  hf_cfg = transformers.Qwen2Config(
+      vocab_size=96, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      tie_word_embeddings=False, **config)
   source = transformers.Qwen2ForCausalLM(hf_cfg).float()
   with torch.no_grad():
     for p in source.parameters():
-      p.copy_(0.1 * torch.randn_like(p))
-  source.save_pretrained(tmp_path)
-  policy = models.from_pretrained(str(tmp_path))
+      p.copy_(scale * torch.randn_like(p))
+  source.save_pretrained(directory)
+  return hf_cfg, models.from_pretrained(str(directory))
+
+
+def test_the_weights_load_into_transformers_with_identical_logits(tmp_path):
+  hf_cfg, policy = random_qwen2(tmp_path, hidden_size=32, scale=0.1)
 
   weights = list(vllm_engine.torch_weights(policy.config, policy.params, "float32"))
   names = [name for name, _ in weights]

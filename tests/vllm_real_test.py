@@ -34,8 +34,6 @@ from tests import vllm_stand_in
 from tests import vllm_two_process_main
 
 pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run installs its CPU build)")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 try:
   PLATFORM = vllm_engine.check_available()
 except (ImportError, RuntimeError) as e:
@@ -82,17 +80,9 @@ def check_greedy_follows_the_weights(engines, prompts, params, changed):
 
 
 def test_greedy_equals_the_jax_engine_across_weight_updates_qwen2_biases(tmp_path):
-  torch.manual_seed(0)
-  hf_cfg = transformers.Qwen2Config(
-      vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-      max_position_embeddings=128, eos_token_id=2, pad_token_id=0)
-  source = transformers.Qwen2ForCausalLM(hf_cfg).float()
-  with torch.no_grad():
-    for p in source.parameters():
-      p.copy_(0.5 * torch.randn_like(p))
-  source.save_pretrained(tmp_path)
-  policy = models.from_pretrained(str(tmp_path))
+  _, policy = sampling_vllm_test.random_qwen2(  # head_dim 32, vLLM CPU's smallest
+      tmp_path, hidden_size=128, scale=0.5, max_position_embeddings=128, eos_token_id=2,
+      pad_token_id=0)
   assert policy.config.attention_bias and not policy.config.tie_word_embeddings
   tokenizer = vllm_stand_in.tiny_tokenizer(96)
   engines = dict(jax=sampling.make_engine("jax", policy.config, tokenizer),
