@@ -1,7 +1,7 @@
 """Rollout throughput: the JAX sampler against vLLM and transformers `generate`.
 
   python scripts/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
-  python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 --repeats 3
+  python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 --repeats 5
   python scripts/bench_sampler.py --vllm --vllm-dtype bfloat16 --skip-transformers
   python scripts/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
   python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024
@@ -337,15 +337,15 @@ def main(argv=None):
                 load_average_at_start=os.getloadavg(),
                 new_tokens=args.new_tokens, dtype=policy.config.dtype,
                 measured_read_bandwidth_gb_per_s=bandwidth, runs=[])
+  batches = [int(b) for b in args.batch_sizes.split(",")]
   vllm_engine = None
   if (args.vllm or gpu) and not (args.schedulers or args.cache_phases):
     log("starting vLLM")
-    batches = [int(b) for b in args.batch_sizes.split(",")]
     vllm_engine, started = start_vllm(policy.config, tokenizer, args.vllm_dtype,
                                       max(batches), args.new_tokens)
     result["vllm"] = (dict(skipped=started) if vllm_engine is None else dict(
         dtype=vllm_engine.model_cfg.dtype, start_s=started, platform=vllm_engine.platform))
-  for batch in [int(b) for b in args.batch_sizes.split(",")]:
+  for batch in batches:
     prompts = chat_prompts(tokenizer, batch)
     if args.schedulers:
       prompts = chat_prompts(tokenizer, -(-args.rows // args.samples))

@@ -334,7 +334,7 @@ def test_sampling_params_follow_the_config():
 
 @pytest.mark.slow
 def test_two_processes_split_the_rows_and_gather_them_in_order(stand_in):
-  _, results = vllm_two_process_main.run()
+  results = vllm_two_process_main.run()
 
   # One process, the same prompts and key: the reference order and values.
   engine = make(TINY)

@@ -98,7 +98,7 @@ def test_greedy_equals_the_jax_engine_across_weight_updates_qwen2_biases(tmp_pat
 
 def test_two_processes_split_the_rows_and_gather_them_in_order():
   # tensor_parallel_size 1: each JAX process runs a vLLM of its own on half the prompts.
-  _, results = vllm_two_process_main.run("real")
+  results = vllm_two_process_main.run("real")
   cfg = vllm_two_process_main.real_config(sampling_vllm_test.TINY)
   ref = sampling.make_engine("jax", cfg, vllm_stand_in.tiny_tokenizer(cfg.vocab_size)).generate(
       sampling_vllm_test.PROMPTS, sampling_vllm_test.COUNTS,

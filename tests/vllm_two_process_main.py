@@ -23,8 +23,8 @@ def real_config(tiny):
                              head_dim=32, dtype="float32")
 
 
-def run(*args: str) -> tuple[int, list[dict]]:
-  """Runs this module in two JAX processes; (the coordinator's port, their JSON lines)."""
+def run(*args: str) -> list[dict]:
+  """Runs this module in two JAX processes; their JSON lines."""
   from tests import conftest  # pylint: disable=g-import-not-at-top
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -40,7 +40,7 @@ def run(*args: str) -> tuple[int, list[dict]]:
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     results.append(json.loads(out.strip().splitlines()[-1]))
-  return port, results
+  return results
 
 
 def main() -> None:

@@ -191,8 +191,9 @@ def sampling_params_kwargs(sampling: base.SamplingConfig, count: int, seed: int,
   Greedy samples are all the same and vLLM refuses n > 1 for them: one is asked for
   (`raw_rows` repeats it).
   """
+  greedy = sampling.is_greedy
   return dict(
-      n=1 if sampling.is_greedy else count, temperature=0.0 if sampling.is_greedy else sampling.temperature,
+      n=1 if greedy else count, temperature=0.0 if greedy else sampling.temperature,
       top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
       max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed,
       stop=list(sampling.stop_strings) or None, ignore_eos=ignore_eos,

@@ -46,8 +46,8 @@ WORKING_BYTES = 2 * GIB
 # vLLM's CPU build: at most this share of the host's available memory for the KV cache.
 CPU_KV_SHARE = 0.25
 CPU_BLOCK_TOKENS = 128  # vLLM's KV block on CPU (tokens)
-SLEEP_LEVELS = (0, 1, 2)
-VLLM_DTYPES = ("", "float32", "bfloat16", "float16")  # 0 = never sleep; 1 = weights to CPU; 2 = weights discarded
+SLEEP_LEVELS = (0, 1, 2)  # 0 = never sleep; 1 = weights to CPU; 2 = weights discarded
+VLLM_DTYPES = ("", "float32", "bfloat16", "float16")  # "" = the model's (model.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
