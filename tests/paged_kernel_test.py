@@ -1,13 +1,11 @@
 """The TPU decode path (pool in the ragged paged-attention kernel's layout, the kernel on
 each row's pages) gives the rows the XLA path gives them.
 
-On CPU the kernel is JAX's own reference for it (`ref_ragged_paged_attention`, called
-through `pure_callback`): neither of Pallas's interpreters runs the Mosaic kernel in jax
-0.10.2 or 0.12 (the TPU interpreter cannot read through its reshaped VMEM buffer, the
-HLO interpreter cannot discharge its strided loads), so this checks everything around
-the kernel: the layout, the page table and lengths the kernel is given, the writes of
-new keys/values and the prompt's placement. `tests/aot_test.py` compiles the Mosaic
-kernel itself for a TPU mesh.
+On CPU the kernel is the Mosaic kernel itself, `rpa.ragged_paged_attention`, run by
+Pallas's TPU interpreter (`pltpu.force_tpu_interpret_mode`, which emulates its DMAs and
+semaphores) with two of the interpreter's gaps filled (`_fill_interpreter_gaps`); its
+arithmetic is the kernel's own (online softmax over blocks of pages, its masks).
+`tests/aot_test.py` compiles the same kernel for a TPU mesh.
 """
 
 import dataclasses
@@ -18,10 +16,12 @@ import sys
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+from jax._src.pallas.mosaic.interpret import utils as interpreter_utils
+from jax._src.state import types as state_types
+from jax.experimental.pallas import tpu as pltpu
 
 from exgrpo_jax import models
 from exgrpo_jax import sampling
@@ -37,22 +37,53 @@ COUNTS = [2, 3, 1, 2, 1]
 GREEDY = sampling.SamplingConfig(max_new_tokens=24, greedy=True, return_entropy=True)
 
 
-def reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                     **block_sizes):
-  """What `rpa.ragged_paged_attention` computes, from JAX's reference, on the host."""
-  del block_sizes
-  run = lambda *args: np.asarray(rpa.ref_ragged_paged_attention(
-      *map(jnp.asarray, args), sm_scale=sm_scale))
-  return jax.pure_callback(run, jax.ShapeDtypeStruct(q.shape, q.dtype), q, kv_pages,
-                           kv_lens, page_indices, cu_q_lens, num_seqs)
+def _fill_interpreter_gaps(monkeypatch):
+  """Two loads and stores the kernel makes that Pallas's TPU interpreter (jax 0.10.2 and
+  0.12) gets wrong, done by hand: a load through a reshaped VMEM buffer (the kernel
+  reshapes its double buffer of pages and loads keys and values at a stride; the
+  interpreter maps every ref transform to a slice: "'ReshapeTransform' object has no
+  attribute 'indices'"), and a masked store into part of a buffer (its bounds check marks
+  out of bounds along the first axis whatever axis it checks: "Out-of-bounds masked swap
+  ... swapping [(slice(0, 3, 1), slice(0, 2, 1), slice(0, 128, 1))] but buffer has shape
+  (3, 4, 128)")."""
+  get, swap = interpreter.get.__wrapped__, interpreter.swap.__wrapped__
+
+  def reshaped_get(token, device_id, core_id, memory_space, buffer_id, transforms, *args,
+                   **kwargs):
+    reshapes = [isinstance(t, state_types.ReshapeTransform) for t in transforms]
+    if not any(reshapes):
+      return get(token, device_id, core_id, memory_space, buffer_id, transforms, *args,
+                 **kwargs)
+    i = reshapes.index(True)
+    token, value = get(token, device_id, core_id, memory_space, buffer_id, transforms[:i],
+                       *args, **kwargs)
+    value = value.reshape(transforms[i].shape)
+    for indexer in jax.tree.map(int, transforms[i + 1:]):
+      value = value[tuple(map(interpreter_utils._transform_slice_or_index,  # pylint: disable=protected-access
+                              indexer.indices))]
+    return token, value
+
+  def masked_swap(token, device_id, core_id, memory_space, buffer_id, transforms, value,
+                  mask, **kwargs):
+    if mask is None:
+      return swap(token, device_id, core_id, memory_space, buffer_id, transforms, value,
+                  mask, **kwargs)
+    mask = np.asarray(mask)
+    token, old = get(token, device_id, core_id, memory_space, buffer_id, transforms)
+    token, _ = swap(token, device_id, core_id, memory_space, buffer_id, transforms,
+                    np.where(mask, value, old), None, **kwargs)
+    return token, np.where(mask, old, value)
+
+  monkeypatch.setattr(interpreter, "get", interpreter.fail_on_exception(reshaped_get))
+  monkeypatch.setattr(interpreter, "swap", interpreter.fail_on_exception(masked_swap))
 
 
 def _qwen2_model():
-  """A tiny Qwen2-shaped model (GQA: 4 query heads on 2 KV heads, q/k/v biases) with
-  EOS ids that end rows early."""
+  """A tiny Qwen2-shaped model (GQA: 4 query heads on 2 KV heads, q/k/v biases; heads of
+  128, the kernel's lane width) with EOS ids that end rows early."""
   cfg = models.ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64,
                            intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                           head_dim=16, attention_bias=True, tie_word_embeddings=False,
+                           head_dim=128, attention_bias=True, tie_word_embeddings=False,
                            eos_token_id=(1,), pad_token_id=0)
   params = models.init_params(cfg, jax.random.key(0))
   params["lm_head"] = params["lm_head"] * 10
@@ -79,8 +110,13 @@ def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3):
 
   monkeypatch.setattr(engine, "compiled", spy)
   monkeypatch.setattr(paged_kernel, "wanted", lambda *_: kernel)
-  monkeypatch.setattr(paged_kernel, "KERNEL", reference_kernel)
-  out = engine.generate(PROMPTS, COUNTS, params, jax.random.key(1), GREEDY)
+  # Blocks of 2 pages and 2 queries: rows span several of each, as on a TPU (1024 keys
+  # and 32 queries a block there).
+  monkeypatch.setattr(paged_kernel, "_BLOCK_KEYS", 8)
+  monkeypatch.setattr(paged_kernel, "_BLOCK_QUERIES", 2)
+  _fill_interpreter_gaps(monkeypatch)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    out = engine.generate(PROMPTS, COUNTS, params, jax.random.key(1), GREEDY)
   assert layouts == [kernel]
   return out, engine.stats
 

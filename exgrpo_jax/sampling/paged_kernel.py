@@ -27,9 +27,6 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 from exgrpo_jax import sharding
 
 P = jax.sharding.PartitionSpec
-# The kernel; a test swaps in JAX's reference for it (neither of Pallas's interpreters
-# runs this kernel on CPU in jax 0.10 or 0.12).
-KERNEL = rpa.ragged_paged_attention
 # Keys per kernel block (`num_kv_pages_per_block` x T) and queries per block: the kernel's
 # tuned table's most common v5 choice for pages of 64, 16 pages and 32 queries (JAX looks
 # it up from the attached TPU, which an ahead-of-time compile on a CPU host has not).
@@ -98,7 +95,7 @@ def _per_shard(q_BxHxDh, new_BxCxDh, kv_PxTxCxDh, page_B, offset_B, table_BxN, l
                                offset_B].set(new_BxCxDh, mode="drop")
   table_BxN = jnp.where(table_BxN < pages, table_BxN % local, 0)
   block_pages = max(1, min(N, _BLOCK_KEYS // kv_PxTxCxDh.shape[1]))
-  out_BxHxDh = KERNEL(
+  out_BxHxDh = rpa.ragged_paged_attention(
       q_BxHxDh, kv_PxTxCxDh, length_B, table_BxN, jnp.arange(B + 1, dtype=jnp.int32),
       jnp.array([B], jnp.int32), sm_scale=scale, num_kv_pages_per_block=block_pages,
       num_queries_per_block=min(B, _BLOCK_QUERIES))
