@@ -8,11 +8,13 @@ compiler's figures, and writes the report of the chosen settings (JSON).
 For each mesh fsdp x tensor over the target's devices (tensor 1, 2, 4, and 8 where the
 query heads divide), all layers compiled (`exgrpo_jax.aot`):
   learner   the config's micro-batch, halved until the learner's programs fit;
-  rollout   the most rows per call (`rollout.max_rows`, multiples of 64 up to the step's
-            B x K rows) whose programs fit: each program's per-device peak (with what
-            stays beside it) is affine in the slots, so two compiles (64 and 256 slots)
-            predict the largest, which is then compiled, stepped down by 64 until it
-            fits, and shown to be the largest by the next 64 not fitting.
+  rollout   the most rows per call (`rollout.max_rows` up to the step's B x K rows, a
+            multiple of the rows' unit: K and the mesh's batch shards) whose programs fit:
+            each program's per-device peak (with what stays beside it) is affine in the
+            slots, so two compiles (64 and 256 slots) predict the largest multiple of 64,
+            which is then compiled, stepped down by 64 until it fits, and shown to be the
+            largest by the next 64 not fitting; the peaks of those two predict the
+            largest multiple of the unit between them, compiled and shown the same way.
 The chosen mesh keeps the config's micro-batch where any can, then has the most rows
 per call, then the least tensor parallelism (the old analytic plan's rule). Its whole
 training step is compiled once more with those settings: that report is the output,
@@ -90,25 +92,54 @@ class Planner:
       micro //= 2
     return 0
 
-  def rollout(self, tensor: int, rows: int) -> int:
-    """The most rows per call (a multiple of STEP, at most `rows`) that fit; 0: none."""
-    fits = lambda n: self.compile(tensor, 1, n, ("rollout",))["ok"]
-    low, high = (_peaks(self.compile(tensor, 1, n, ("rollout",))) for n in (STEP, 4 * STEP))
-    if any(v is None for v in low.values()):
+  def rollout(self, tensor: int, rows: int, unit: int) -> int:
+    """The most rows per call (a multiple of `unit`, at most `rows`) that fit; 0: none."""
+    seen = {}
+
+    def peaks(n):
+      if n not in seen:
+        report = self.compile(tensor, 1, n, ("rollout",))
+        seen[n] = report["ok"], _peaks(report)
+      return seen[n]
+
+    fits = lambda n: peaks(n)[0]
+    guess = _largest(peaks(STEP)[1], peaks(4 * STEP)[1], STEP, 4 * STEP, self.usable, rows,
+                     STEP)
+    if guess is None:
       return 0
-    guess = rows
-    for name, peak in low.items():
-      slope = ((high.get(name) or peak) - peak) / (3 * STEP)
-      if slope > 0:
-        guess = min(guess, STEP + int((self.usable - peak) / slope))
-    guess = max(STEP, min(rows, guess // STEP * STEP))
     while guess > STEP and not fits(guess):
       guess -= STEP
     if guess == STEP and not fits(STEP):
       return 0
     while guess + STEP <= rows and fits(guess + STEP):  # the estimate was low
       guess += STEP
-    return guess
+    top = min(guess + STEP, rows)
+    if top == guess or fits(top):
+      return top
+    # The largest multiple of `unit` below `top` (which does not fit), from the two peaks.
+    fine = _largest(peaks(guess)[1], peaks(top)[1], guess, top, self.usable, top - unit,
+                    unit)
+    fine = max(guess, fine)
+    while fine > guess and not fits(fine):
+      fine -= unit
+    while fine + unit < top and fits(fine + unit):
+      fine += unit
+    return fine
+
+
+def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, most: int,
+             unit: int) -> int | None:
+  """The most rows (a multiple of `unit`, at least `unit`, at most `most`) whose peaks fit
+  `usable`, with each program's peak affine in the rows through its peaks `low` at
+  `at_low` rows and `high` at `at_high`; None where a program failed at `at_low`."""
+  if any(v is None for v in low.values()):
+    return None
+  guess = most
+  for name, peak in low.items():
+    slope = ((high.get(name) or peak) - peak) / (at_high - at_low)
+    if slope > 0:
+      guess = min(guess, at_low + int((usable - peak) / slope))
+  return max(unit, min(most, guess) // unit * unit)
 
 
 def plan(name: str, target: str, like: dict | None = None) -> dict:
@@ -123,7 +154,8 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
     if like or planner.spec.devices % tensor or (tensor == 8 and heads % 8):
       continue
     micro = planner.learner(tensor, base.optim.micro_batch_size)
-    max_rows = planner.rollout(tensor, rows) if micro else 0
+    unit = math.lcm(base.rollout.k, planner.spec.devices // tensor)
+    max_rows = planner.rollout(tensor, rows, unit) if micro else 0
     candidates.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows))
   fitting = [c for c in candidates if c["micro_batch_size"] and c["max_rows"]]
   result = dict(config=f"configs/{name}.py", target=target, usable_gib=planner.usable,

@@ -1,0 +1,82 @@
+"""scripts/aot_plan.py's arithmetic: the pool's bound on the rows per call, and the rollout
+search's choice of rows, on made-up compiler figures (no compiles)."""
+
+import pytest
+
+from scripts import aot_plan
+
+GIB = 2 ** 30
+
+
+def _report(kv_heads, tensor, devices, prompt_tokens, response_tokens, max_rows, fixed_gib,
+            row_bytes, usable_gib, layers=32):
+  """An AOT report with what `pool_bound` reads: decode_chunk's device peak is `fixed_gib`
+  plus `max_rows` rows of `row_bytes`."""
+  return dict(
+      model=dict(kv_heads=kv_heads, hidden=4096, heads=32, layers=layers),
+      batch=dict(prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+                 max_rows=max_rows),
+      mesh=dict(fsdp=devices // tensor, tensor=tensor), devices=devices,
+      programs=[dict(name="learner_step", device_peak_bytes=50 * GIB),
+                dict(name="decode_chunk",
+                     device_peak_bytes=fixed_gib * GIB + max_rows * row_bytes,
+                     usable_bytes=usable_gib * GIB)])
+
+
+def test_pool_bound_is_the_room_left_over_a_full_rows_kv_bytes():
+  # Llama-3.1-8B on a v5p-8 at 1 x 4: 8 KV heads, 2 per device, of 128; 1024 + 8192 tokens
+  # (144 pages of 64); keys and values in bfloat16 over 32 layers, all rows on each device.
+  row = 9216 * 2 * 2 * 128 * 2 * 32
+  report = _report(8, 4, 4, 1024, 8192, 192, 28.0, row, 95.73)
+  assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 28.0) * GIB / row)
+  assert aot_plan.pool_bound(report) == pytest.approx(240.8, abs=0.1)
+
+
+def test_pool_bound_splits_rows_over_the_batch_axes_and_kv_heads_only_where_they_divide():
+  # 4 KV heads on tensor 8 stay whole on each device; rows split over fsdp 2 (16 devices).
+  row = 9216 * 2 * 4 * 128 * 2 * 32 / 2
+  report = _report(4, 8, 16, 1024, 8192, 512, 10.0, row, 31.24)
+  assert aot_plan.pool_bound(report) == pytest.approx((31.24 - 10.0) * GIB / row)
+
+
+def test_pool_bound_counts_a_rows_last_page_whole():
+  # A 1000-token prompt takes the 1024 bucket; 1024 + 8200 tokens fill 145 pages of 64.
+  row = 145 * 64 * 2 * 2 * 128 * 2 * 32
+  report = _report(8, 4, 4, 1000, 8200, 64, 20.0, row, 95.73)
+  assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 20.0) * GIB / row)
+
+
+class _AffinePlanner(aot_plan.Planner):
+  """A planner whose compiles are made up: each rollout program's peak is affine in the
+  rows, and a compile fits where every peak is within `usable`."""
+
+  def __init__(self, usable, slopes, fixed):  # pylint: disable=super-init-not-called
+    self.usable, self.slopes, self.fixed, self.search = usable, slopes, fixed, []
+
+  def compile(self, tensor, micro, max_rows, parts):
+    peaks = {name: self.fixed[name] + slope * max_rows for name, slope in self.slopes.items()}
+    self.search.append(max_rows)
+    return dict(ok=max(peaks.values()) <= self.usable, first_failure=None,
+                programs=[dict(name=n, error=None, device_peak_bytes=v * GIB)
+                          for n, v in peaks.items()])
+
+
+def test_rollout_search_takes_the_largest_multiple_of_the_unit_between_steps_of_64():
+  # Llama-3.1-8B's figures on a v5p-8 at 1 x 4: repage_layer binds at 222.8 rows.
+  planner = _AffinePlanner(95.73, dict(repage_layer=0.2978, decode_chunk=0.2813),
+                           dict(repage_layer=29.4, decode_chunk=28.67))
+  assert planner.rollout(4, 1024, 8) == 216
+  assert 224 in planner.search and 216 in planner.search
+  assert len(planner.search) == len(set(planner.search))  # no compile twice
+
+
+def test_rollout_search_keeps_a_multiple_of_64_that_is_the_most_and_all_rows():
+  assert _AffinePlanner(95.73, dict(decode_chunk=0.05), dict(decode_chunk=20.0)).rollout(
+      2, 1024, 8) == 1024
+  planner = _AffinePlanner(10.0, dict(place=1 / 32), dict(place=2.0))  # 256 rows exactly
+  assert planner.rollout(1, 1024, 16) == 256
+  assert planner.search[-1] == 272  # the next multiple of the unit shown not to fit
+
+
+def test_rollout_search_gives_0_where_64_rows_do_not_fit():
+  assert _AffinePlanner(10.0, dict(admit=0.1), dict(admit=9.0)).rollout(1, 1024, 8) == 0
