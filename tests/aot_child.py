@@ -3,13 +3,15 @@
   python -m tests.aot_child TARGET ATTENTION MESH [--unsharded-kernels]
   python -m tests.aot_child TARGET ATTENTION MESH --rollout
   python -m tests.aot_child hbm TARGET ...
+  python -m tests.aot_child repage TARGET FSDPxTENSOR KV_HEADS OLD_PAGES NEW_PAGES
 
 The first compiles a tiny Qwen2-shaped learner step (GQA, q/k/v biases) for a target;
 `--unsharded-kernels` calls the fused kernel without `shard_map` (what the code did
 before `attention._on_shards`), the case the compilers refused; `--rollout` compiles the
 same model's rollout programs (continuous batching) instead. The last asks the TPU
 compiler how much HBM a program of each target's chip may use (its refusal of a larger
-one says).
+one says). `repage` compiles one layer's growth of the page pool (`slots.repage_layer`),
+in the layout the target's decode takes, and prints its bytes per device.
 """
 
 import json
@@ -35,11 +37,41 @@ def hbm(names) -> dict:
   return found
 
 
+def repage(target_name, mesh_shape, kv_heads, old, new) -> dict:
+  """One layer of the pool in the TPU kernel's layout (pages of 64 slots, heads of 128,
+  bfloat16) grown from `old` to `new` pages: `slots.repage_layer`'s argument, output and
+  temporary bytes per device."""
+  import types  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.sampling import paged_kernel  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.sampling import slots  # pylint: disable=g-import-not-at-top
+  shape = tuple(int(n) for n in mesh_shape.split("x"))
+  mesh = sharding.make_mesh(types.SimpleNamespace(shape=shape, axes=("fsdp", "tensor")),
+                            targets.devices(targets.get(target_name)))
+  placed = lambda shape, spec: jax.ShapeDtypeStruct(
+      shape, jnp.bfloat16 if len(shape) > 1 else jnp.int32,
+      sharding=jax.sharding.NamedSharding(mesh, spec))
+  pages = (old, 64, 2 * kv_heads, 128)
+  layer = (placed(pages, paged_kernel.pool_spec(mesh, pages)),)
+  with sharding.use_mesh(mesh):
+    compiled = slots.repage_layer.lower(layer, placed((new,), jax.sharding.PartitionSpec()),
+                                        mesh=mesh).compile()
+  memory = compiled.memory_analysis()
+  return dict(argument_bytes=memory.argument_size_in_bytes,
+              output_bytes=memory.output_size_in_bytes, temp_bytes=memory.temp_size_in_bytes)
+
+
 def main(argv) -> None:
   from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
   targets.prepare_environment()
   if argv[1] == "hbm":
     print(json.dumps(hbm(argv[2:])))
+    return
+  if argv[1] == "repage":
+    print(json.dumps(repage(argv[2], argv[3], *map(int, argv[4:7]))))
     return
   target_name, attention_name, mesh_shape = argv[1], argv[2], argv[3]
   from configs import common  # pylint: disable=g-import-not-at-top

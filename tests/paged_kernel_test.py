@@ -100,12 +100,14 @@ def qwen2_model():
 
 def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3):
   engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=4, page_size=4)
-  layouts = []
+  layouts, grown = [], []
   empty = engine.compiled
 
   def spy(program, args, static, takes_cfg=True):
     if program is slots_lib.empty:
       layouts.append(static["kernel"])
+    if program is slots_lib.repage_layer:  # new pages: zeros, or copies in the kernel's
+      grown.append(args[1].shape[0] > args[0][0].shape[0])
     return empty(program, args, static, takes_cfg)
 
   monkeypatch.setattr(engine, "compiled", spy)
@@ -117,7 +119,7 @@ def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3):
   _fill_interpreter_gaps(monkeypatch)
   with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
     out = engine.generate(PROMPTS, COUNTS, params, jax.random.key(1), GREEDY)
-  assert layouts == [kernel]
+  assert layouts == [kernel] and any(grown)
   return out, engine.stats
 
 

@@ -156,8 +156,8 @@ def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A):
 
 def repage(compiled, caches: list, source_Q, mesh=None) -> None:
   """Gives the pool in `caches` (its layers, replaced in place) Q pages: page q is the
-  old page `source_Q[q]`, or an empty one where that is out of range (the host's
-  compaction or growth). `compiled` is the engine's program cache.
+  old page `source_Q[q]`, or a free one where that is out of range (the host's
+  compaction or growth; `repage_layer`). `compiled` is the engine's program cache.
 
   One layer at a time, each old layer dropped as soon as its new one is made: the device
   holds the new pool and one old layer, not both pools, which one program over the whole
@@ -171,8 +171,13 @@ def repage(compiled, caches: list, source_Q, mesh=None) -> None:
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def repage_layer(layer, source_Q, *, mesh=None):
-  """One layer's pages (either layout), in `repage`'s new order."""
-  layer = tuple(jnp.take(x, source_Q, axis=0, mode="fill", fill_value=0) for x in layer)
+  """One layer's pages (either layout), in `repage`'s new order. A new page is zeros in
+  the XLA layout and, in the kernel's, a copy of an old one: the kernel zeroes the keys
+  and values past each row's length itself, and XLA:TPU gathered into a temporary before
+  selecting the zeros (one new layer more: 1.69 GiB for Llama-3.1-8B at 192 rows per call
+  on a v5p-8)."""
+  fill = dict(mode="clip") if len(layer) == 1 else dict(mode="fill", fill_value=0)
+  layer = tuple(jnp.take(x, source_Q, axis=0, **fill) for x in layer)
   return layer if mesh is None else _constrain_pool((layer,), mesh)[0]
 
 
