@@ -67,6 +67,36 @@ def test_without_shard_map_the_compiler_refuses_the_kernel(case):
   assert CASES[case][4] in result["programs"]["learner_step"]["error"]
 
 
+CUDNN_ODD_LENGTH = """
+from exgrpo_jax.aot import targets
+targets.prepare_environment()
+import jax, jax.numpy as jnp, numpy as np
+from exgrpo_jax import sharding
+from exgrpo_jax.models import attention
+device = targets.devices(targets.get("h100x1"))[0]
+on_device = lambda shape, dtype: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+B, T, H, K, Dh = 1, 45, 4, 2, 64
+def loss(q, k, v, segments):
+  out = attention.IMPLEMENTATIONS.get("cudnn")(q, k, v, attention.AttentionMask.packed(segments))
+  return jnp.sum(out.astype(jnp.float32) ** 2)
+with sharding.use_mesh(jax.sharding.Mesh(np.array([device]), ("fsdp",))):
+  jax.jit(jax.grad(loss, (0, 1, 2))).lower(
+      on_device((B, T, H, Dh), jnp.bfloat16), on_device((B, K, Dh, T), jnp.bfloat16),
+      on_device((B, K, T, Dh), jnp.bfloat16), on_device((B, T), jnp.int32)).compile()
+print("compiled")
+"""
+
+
+def test_cudnn_attention_backward_compiles_at_an_odd_length():
+  """cuDNN refused the masked backward at T = 45 on an H200 ("Unsupported sequence length
+  Q 45, KV 45"); the GPU compiler refuses it the same way, so the padding is checked here."""
+  proc = subprocess.run([aot_python("gpu"), "-c", CUDNN_ODD_LENGTH], cwd=conftest.REPO_ROOT,
+                        env=conftest.subprocess_env(), capture_output=True, text=True,
+                        timeout=600, check=False)
+  assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_tpu_decode_runs_the_paged_attention_kernel_on_a_mesh():
   """On a v5p 2x2 mesh the rollout's decode_chunk calls the ragged paged-attention
   kernel, a Mosaic custom call per layer inside `shard_map`, and every program around

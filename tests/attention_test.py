@@ -144,6 +144,41 @@ def test_cudnn_matches_xla():
   assert max(jax.tree.leaves(jax.tree.map(relative_error, grads, ref_grads))) <= grad_tol
 
 
+def test_cudnn_pads_odd_lengths_and_matches_xla(monkeypatch):
+  """cuDNN's backward with a mask refuses odd T or S (seen on an H200). Here, without a
+  GPU, `jax.nn.dot_product_attention` is XLA's behind a check that refuses odd lengths as
+  cuDNN does; the padded call must give the einsum reference's values and gradients."""
+  dot_product_attention = jax.nn.dot_product_attention
+
+  def refuses_odd_lengths(q, k, v, mask, implementation):
+    assert implementation == "cudnn"
+    if q.shape[1] % 2 or k.shape[1] % 2:
+      raise NotImplementedError(f"Unsupported sequence length Q {q.shape[1]}, "
+                                f"KV {k.shape[1]}.")
+    return dot_product_attention(q, k, v, mask=mask)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", refuses_odd_lengths)
+  B, T, H, K, Dh = 2, 45, 4, 2, 64
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(B, T, H, Dh)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(B, K, Dh, T)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(size=(B, K, T, Dh)), jnp.bfloat16)
+  segments = np.ones((B, T), np.int32)
+  segments[0, 30:], segments[1, -7:] = 2, 0
+  mask = attention.AttentionMask.packed(jnp.asarray(segments))
+  scored = (segments != 0)[..., None, None]
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(
+        jnp.where(scored, fn(q, k, v, mask).astype(jnp.float32), 0.0) ** 2)
+  ref = jax.value_and_grad(loss(attention.IMPLEMENTATIONS.get("xla")), (0, 1, 2))(q, k, v)
+  got = jax.value_and_grad(loss(attention.IMPLEMENTATIONS.get("cudnn")), (0, 1, 2))(q, k, v)
+  out_tol, grad_tol = TOLERANCES["bfloat16"]
+  assert relative_error(got[0], ref[0]) <= out_tol
+  for x, r in zip(got[1], ref[1]):
+    assert relative_error(x, r) <= grad_tol
+
+
 def test_splash_in_pallas_interpreter_matches_xla():
   """The TPU kernel's numerics on CPU: values and q/k/v gradients, GQA, packed rows."""
   from exgrpo_jax.models import splash  # pylint: disable=g-import-not-at-top

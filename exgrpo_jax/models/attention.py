@@ -127,10 +127,23 @@ def _cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask: AttentionMask):
   if jnp.dtype(q_BxTxHxDh.dtype).itemsize != 2:
     raise ValueError(f"model.attention='cudnn' needs model.dtype bfloat16 or float16, not "
                      f"{jnp.dtype(q_BxTxHxDh.dtype).name}; use auto, xla or blockwise")
-  T = q_BxTxHxDh.shape[1]
-  return jax.nn.dot_product_attention(
+  T, S = q_BxTxHxDh.shape[1], k_BxKxDhxS.shape[3]
+  mask_BxTxS = mask.dense(T)
+  # cuDNN's backward with a mask refuses odd lengths ("Unsupported sequence length Q 45,
+  # KV 45" on an H200): pad to even with a query no one reads, which sees only key 0 (a
+  # row with no key would be NaN), and a key no real query sees.
+  pad_t, pad_s = T % 2, S % 2
+  if pad_t or pad_s:
+    q_BxTxHxDh = jnp.pad(q_BxTxHxDh, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    k_BxKxDhxS = jnp.pad(k_BxKxDhxS, ((0, 0), (0, 0), (0, 0), (0, pad_s)))
+    v_BxKxSxDh = jnp.pad(v_BxKxSxDh, ((0, 0), (0, 0), (0, pad_s), (0, 0)))
+    mask_BxTxS = jnp.pad(mask_BxTxS, ((0, 0), (0, pad_t), (0, pad_s)))
+    if pad_t:
+      mask_BxTxS = mask_BxTxS.at[:, T, 0].set(True)
+  out_BxTxHxDh = jax.nn.dot_product_attention(
       q_BxTxHxDh, k_BxKxDhxS.transpose(0, 3, 1, 2), v_BxKxSxDh.transpose(0, 2, 1, 3),
-      mask=mask.dense(T)[:, None], implementation="cudnn")
+      mask=mask_BxTxS[:, None], implementation="cudnn")
+  return out_BxTxHxDh[:, :T]
 
 
 @IMPLEMENTATIONS.register("splash")
