@@ -60,6 +60,16 @@ def test_unsupported_architecture_is_one_line():
     gguf_convert.hf_config({"general.architecture": "gemma"}, set(), "m.gguf")
 
 
+def test_a_transformers_without_the_gguf_tokenizer_tables_is_one_line(gguf_path, tmp_path,
+                                                                      monkeypatch):
+  """transformers 5.17 (the GPU image's) lacks the tables: one line, nothing written."""
+  from transformers.integrations.gguf import gguf_tokenizer_mapping  # pylint: disable=g-import-not-at-top
+  monkeypatch.delattr(gguf_tokenizer_mapping, "GGUF_TOKENIZER_MAPPING")
+  with pytest.raises(ImportError, match=r"needs transformers>=5\.18, not .*: pip install"):
+    gguf_convert.convert(gguf_path, str(tmp_path / "hf"))
+  assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.slow
 def test_weights_are_bit_identical_to_transformers(gguf_path, tmp_path):
   torch = pytest.importorskip("torch")  # the reference path; the converter itself needs none

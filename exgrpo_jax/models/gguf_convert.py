@@ -102,10 +102,19 @@ def import_transformers():
   return transformers
 
 
-def save_tokenizer(meta: dict, directory: str) -> None:
-  """The file's tokenizer, built as transformers builds it from a GGUF, saved to `directory`."""
+def _tokenizer_mapping():
+  """transformers' GGUF tokenizer tables (5.18 on; 5.17, on the GPU image, lacks them)."""
   transformers = import_transformers()
   from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping  # pylint: disable=g-import-not-at-top
+  if not hasattr(mapping, "GGUF_TOKENIZER_MAPPING"):
+    raise ImportError(f"building a GGUF file's tokenizer needs transformers>=5.18, not "
+                      f"{transformers.__version__}: pip install 'transformers>=5.18'")
+  return transformers, mapping
+
+
+def save_tokenizer(meta: dict, directory: str) -> None:
+  """The file's tokenizer, built as transformers builds it from a GGUF, saved to `directory`."""
+  transformers, mapping = _tokenizer_mapping()
   groups = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items()
                     if f"tokenizer.{key}" in meta}
             for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()}
@@ -123,6 +132,7 @@ def save_tokenizer(meta: dict, directory: str) -> None:
 
 def convert(gguf_path: str, directory: str) -> None:
   """Writes config.json, model.safetensors and the tokenizer of `gguf_path` to `directory`."""
+  _tokenizer_mapping()  # before anything is written
   reader = gguf.GGUFReader(gguf_path)
   meta = _metadata(reader)
   config = hf_config(meta, {t.name for t in reader.tensors}, gguf_path)
