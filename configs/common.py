@@ -57,6 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
       param_dtype="float32",
       remat="full",
       attention="auto",      # auto | xla | blockwise | cudnn | splash (models/attention.py)
+      # auto = highest for float32 compute (JAX's default is TF32 on NVIDIA GPUs), default
+      # for bfloat16; default | high | highest force one (models/config.py)
+      matmul_precision="auto",
   ))
 
   # Relative data paths resolve against `dir`; "" = $EXGRPO_DATA_DIR, else

@@ -115,7 +115,9 @@ def make_engine(args, cfg, tokenizer):
 
 
 def load_model(path: str, dtype: str):
-  """(ModelConfig, params, tokenizer) from an HF dir, .gguf, training checkpoint or ""."""
+  """(ModelConfig, params, tokenizer) from an HF dir, .gguf, training checkpoint or "";
+  the process's matmul precision follows `dtype` as a training run's does ("auto")."""
+  jax.config.update("jax_default_matmul_precision", models.matmul_precision("auto", dtype))
   if path and checkpointing.is_training_checkpoint(path):
     cfg, params, tokenizer_source = checkpointing.load_policy_for_export(path)
     cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)

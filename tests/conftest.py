@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -10,6 +11,9 @@ SHARED_DATA = os.path.join(os.path.dirname(REPO_ROOT), "shared", "data")
 # present (tests that need them skip through `shared_data_dir` otherwise).
 if os.path.isdir(SHARED_DATA):
   os.environ.setdefault("EXGRPO_DATA_DIR", SHARED_DATA)
+# float32 means float32 in the tests on every backend, as in a float32 training run
+# (model.matmul_precision "auto"); JAX's own default is TF32 on NVIDIA GPUs.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def subprocess_env(**overrides) -> dict:

@@ -96,6 +96,41 @@ def exgrpo_run(tmp_path_factory):
   return run(tmp_path_factory.mktemp("exgrpo"), steps=3)
 
 
+class PrecisionRecordingEngine(ScriptedEngine):
+  """Records JAX's matmul precision at each rollout and learner step."""
+
+  def __init__(self):
+    super().__init__()
+    self.seen = []
+
+  def generate(self, prompt_ids, n, params, key, sampling):
+    self.seen.append(("rollout", jax.config.jax_default_matmul_precision))
+    return super().generate(prompt_ids, n, params, key, sampling)
+
+
+@pytest.mark.parametrize("dtype,setting,expected", [
+    ("float32", "auto", "highest"), ("bfloat16", "auto", "default"),
+    ("float32", "default", "default")])
+def test_the_trainer_runs_its_programs_at_the_configured_matmul_precision(
+    tmp_path, monkeypatch, dtype, setting, expected):
+  """JAX's default is TF32 for float32 matmuls on NVIDIA GPUs (one bfloat16 pass on TPU);
+  float32 means float32 unless the config says otherwise, and only inside the trainer."""
+  engine, before = PrecisionRecordingEngine(), jax.config.jax_default_matmul_precision
+  learn = trainer_lib.Trainer.learn
+  monkeypatch.setattr(trainer_lib.Trainer, "learn", lambda self, *a: (
+      engine.seen.append(("learn", jax.config.jax_default_matmul_precision)),
+      learn(self, *a))[1])
+  run(tmp_path, steps=1, engine=engine, model__dtype=dtype, model__matmul_precision=setting)
+  assert engine.seen == [("rollout", expected), ("learn", expected)]
+  assert jax.config.jax_default_matmul_precision == before  # the process's is untouched
+
+
+def test_an_unknown_matmul_precision_is_one_line(tmp_path):
+  with pytest.raises(Exception, match=r"model\.matmul_precision='tf32'.*auto, default, high, "
+                                      r"highest"):
+    run(tmp_path, steps=1, model__matmul_precision="tf32")
+
+
 def test_replay_path_is_exercised(exgrpo_run):
   trainer, rows = exgrpo_run
   assert [r["step"] for r in rows] == [1, 2, 3]

@@ -1,6 +1,6 @@
 """Policy models: the Flax decoder, HF/GGUF weights in, HF weights out."""
 
-from exgrpo_jax.models.config import ModelConfig, from_hf_config, to_hf_config
+from exgrpo_jax.models.config import ModelConfig, from_hf_config, matmul_precision, to_hf_config
 from exgrpo_jax.models.export import save_pretrained
 from exgrpo_jax.models.loading import (default_model_path, from_pretrained, load_tokenizer,
                                        resolve_hf_dir)

@@ -85,6 +85,7 @@ def check(c) -> None:
   _known("model.param_dtype", m.param_dtype, DTYPES)
   _known("model.remat", m.remat, config_lib.REMATS)
   _known("model.attention", m.attention, attention.supported())
+  _known("model.matmul_precision", m.matmul_precision, config_lib.MATMUL_PRECISIONS)
   if m.path:
     _file("model.path", m.path)
 

@@ -65,6 +65,9 @@ class Trainer:
     self.notices = announce.Notices()  # before anything compiles
     self.config = config
     self.workdir = workdir
+    # Scoped to the trainer's programs (rollout, scoring, step, eval), not the process.
+    self.matmul_precision = models.matmul_precision(config.model.matmul_precision,
+                                                    config.model.dtype)
     # Before anything is read or written: a second trainer here is refused.
     self._lock = workdir_lock.WorkdirLock.acquire(workdir, primary=jax.process_index() == 0)
     try:
@@ -99,6 +102,10 @@ class Trainer:
   # --- one training step --------------------------------------------------------------------
 
   def train_step(self) -> dict:
+    with jax.default_matmul_precision(self.matmul_precision):
+      return self._train_step()
+
+  def _train_step(self) -> dict:
     st = self.state
     timings, t_step = {}, time.time()
     step = st.step + 1
@@ -274,7 +281,8 @@ class Trainer:
     """val/* metrics; a few graded completions go to the run log."""
     self.notices.evaluating(self.state.step, len(self.grader.eval_questions()),
                             self.config.eval.n)
-    metrics = self.grader.validate(self.engine, self.state.params, self.state.tokenizer)
+    with jax.default_matmul_precision(self.matmul_precision):
+      metrics = self.grader.validate(self.engine, self.state.params, self.state.tokenizer)
     self.log.eval_samples(self.state.step, self.grader.eval_responses)
     return metrics
 
