@@ -205,3 +205,21 @@ def test_tpu_targets_use_the_hbm_the_compiler_allows():
   allowed = json.loads(proc.stdout.strip().splitlines()[-1])
   for name in names:
     assert targets.TARGETS[name].hbm_bytes == int(allowed[name] * 2 ** 30), (name, allowed)
+
+
+def test_h200_targets_are_the_device_as_captured_on_one():
+  """XLA's H200 spec says 141 GB; the device JAX saw (scripts/gpu_target_config.py on an
+  H200) has 150109880320 bytes, cuDNN 9.19, and names itself "NVIDIA H200"."""
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  for name in ("h200x1", "h200x8"):
+    target = targets.TARGETS[name]
+    spec = targets.gpu_target_config(target.device_kind)
+    assert f'device_description_str: "{target.device_kind}"' in spec
+    assert f"device_memory_size: {target.hbm_bytes}\n" in spec
+  proc = subprocess.run(
+      [aot_python("gpu"), "-c", "from exgrpo_jax.aot import targets; "
+       "targets.prepare_environment(); "
+       "print(targets.devices(targets.get('h200x8'))[0].device_kind)"],
+      cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(), capture_output=True, text=True,
+      timeout=600, check=False)
+  assert proc.stdout.strip().splitlines()[-1:] == ["NVIDIA H200"], proc.stderr[-3000:]

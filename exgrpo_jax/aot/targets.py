@@ -6,11 +6,11 @@ programs for them on a CPU host without the hardware (`devices`). Nothing runs o
 
   TPU   `jax.experimental.topologies.get_topology_desc(topology_name=..., platform="tpu")`;
         the compiler knows the chip's memory and refuses a program that does not fit.
-  GPU   the same call with platform "cuda" and a GpuTargetConfigProto: the spec of the
-        GPU model that the installed CUDA plugin itself carries (XLA's target specs,
-        embedded in the plugin; `gpu_target_config`), or one captured on a real GPU
-        (`--target-config FILE`). XLA:GPU does not refuse a program that is too large,
-        so `usable_bytes` is the device memory times the share JAX may allocate
+  GPU   the same call with platform "cuda" and a GpuTargetConfigProto: one captured on
+        a real GPU of that model (gpu_specs/, `scripts/gpu_target_config.py`), else the
+        spec that the installed CUDA plugin itself carries (XLA's target specs, embedded
+        in the plugin; `gpu_target_config`), or `--target-config FILE`. XLA:GPU does not
+        refuse a program that is too large, so `usable_bytes` is the device memory times the share JAX may allocate
         (XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's default 0.75).
 
 Peak bf16 FLOP/s and HBM bandwidth are the vendors' published figures per device (a
@@ -57,7 +57,8 @@ _V5E = dict(kind="TPU v5 lite", hbm_gib=15.75, tflops=197, gbps=819)
 _V5P = dict(kind="TPU v5", hbm_gib=95.73, tflops=459, gbps=2765, chip_config="megacore")
 _V6E = dict(kind="TPU v6 lite", hbm_gib=31.24, tflops=918, gbps=1640)
 _H100 = dict(kind="NVIDIA H100 80GB HBM3", hbm_bytes=84942979072, tflops=989, gbps=3352)
-_H200 = dict(kind="NVIDIA H200 141GB HBM3e", hbm_bytes=151397597184, tflops=989, gbps=4800)
+# Captured on the device (gpu_specs/NVIDIA_H200.pbtxt): 1.2 GiB less memory than XLA's spec.
+_H200 = dict(kind="NVIDIA H200", hbm_bytes=150109880320, tflops=989, gbps=4800)
 
 TARGETS = {
     "v4-8": _tpu("v4:2x2x1", 4, **_V4),
@@ -104,12 +105,21 @@ def prepare_environment() -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
+GPU_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
+
+
 def gpu_target_config(device_kind: str) -> str:
-  """The GpuTargetConfigProto text of `device_kind` that the installed CUDA plugin embeds.
+  """The GpuTargetConfigProto text of `device_kind`: captured on such a GPU (GPU_SPECS,
+  named by the device kind), else the one the installed CUDA plugin embeds.
 
   XLA ships a spec per supported GPU model (xla/backends/gpu/target_config/specs) inside
-  the plugin; reading it from there keeps it in step with the compiler that parses it.
+  the plugin; reading it from there keeps it in step with the compiler that parses it. A
+  captured one is the device as it was seen (its memory, cuDNN and CUDA versions).
   """
+  captured = os.path.join(GPU_SPECS, device_kind.replace(" ", "_") + ".pbtxt")
+  if os.path.exists(captured):
+    with open(captured, encoding="utf-8") as f:
+      return f.read()
   try:
     import jax_plugins.xla_cuda13 as plugin  # pylint: disable=g-import-not-at-top
   except ImportError:
