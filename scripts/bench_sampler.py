@@ -298,9 +298,10 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
 
 
 def read_bandwidth_gbs(repeats):
-  """Device read bandwidth (GB/s): the time to sum a 512 MiB array."""
-  big = jnp.ones((128 * 2**20,), jnp.float32)  # 512 MiB
-  total = jax.jit(jnp.sum)
+  """Device read bandwidth (GB/s): the time to sum a 512 MiB array's rows (a sum to one
+  scalar ran at 539 GB/s on an H200)."""
+  big = jnp.ones((4096, 32 * 2**10), jnp.float32)  # 512 MiB
+  total = jax.jit(lambda x: x.sum(axis=1))
   jax.block_until_ready(total(big))
   return big.nbytes / median_time(lambda: jax.block_until_ready(total(big)), repeats) / 1e9
 

@@ -52,10 +52,11 @@ def test_smoke_figures_are_plausible(smoke):
   assert tests["passed"] > 0 and tests["failed"] == tests["errors"] == 0, tests
   if HAS_TORCH:
     rows = figures["parity"]["rows"]
-    assert [r["dtype"] for r in rows] == ["float32", "float32", "bfloat16"]
-    assert all(r["within_tolerance"] for r in rows), rows
+    assert [(r["dtype"], r["matmul_precision"]) for r in rows] == [
+        ("float32", "highest"), ("bfloat16", "default"), ("float32", "default")]
+    assert [r["within_tolerance"] for r in rows] == [True, True, None], rows  # last: reported
     assert rows[0]["max_abs_logp_diff"] < 1e-3
-    assert rows[2]["max_abs_logp_diff"] > rows[0]["max_abs_logp_diff"]
+    assert rows[1]["max_abs_logp_diff"] > rows[0]["max_abs_logp_diff"]
   runs = figures["sampler"]["runs"]
   assert {r["model"] for r in runs} == {"tiny random llama", "tiny random qwen2"}
   for run in runs:
@@ -66,7 +67,10 @@ def test_smoke_figures_are_plausible(smoke):
   assert case["step_s"] > 0 and case["tokens_per_s"] > 0, case
   assert case["compiled_gib"]["total"] > 0
   assert case["aot_prediction"] is None  # none is made for the CPU
+  assert sum(sum(c.values()) for c in tests["per_file"].values()) == tests["passed"]
+  assert figures["sampler"]["published_bandwidth_gb_per_s"] is None  # CPU: the measured
   float32, bfloat16 = figures["gap"]["rows"]
+  assert (float32["matmul_precision"], bfloat16["matmul_precision"]) == ("highest", "default")
   assert float32["tokens"] == bfloat16["tokens"] > 0
   assert float32["max_abs_delta_logp"] < 1e-3 and float32["fraction_ratio_off_by_1pct"] == 0
   assert bfloat16["mean_abs_delta_logp"] > float32["mean_abs_delta_logp"]
@@ -138,3 +142,11 @@ def test_a_raising_part_is_recorded_and_the_next_still_runs():
       ("error", "KeyError: ('missing', 'key')"), ("failed", None)]
   learner_row, train_row = accelerator_check.table(records).splitlines()[1:]
   assert "KeyError" in learner_row and train_row.endswith("ran")
+
+
+def test_compare_sets_the_h200_learner_cases_against_the_aot_predictions():
+  from scripts import accelerator_speed  # pylint: disable=g-import-not-at-top
+  table = accelerator_speed.compare(os.path.join(conftest.REPO_ROOT, "docs", "results",
+                                                 "accelerator_check_h200.json"))
+  rows = [line for line in table.splitlines() if line.startswith("| cudnn S=4096")]
+  assert rows == ["| cudnn S=4096 M=2 | 30.46 | 29.21 | 1.043 | 13.21 | 11.96 | 36.95 |"]
