@@ -139,6 +139,10 @@ COMMANDS = [
             "--config=configs/qwen7b.py --target=h100x8", covered=AOT_CLI),
     Command(".aot/gpu/bin/python -m exgrpo_jax.aot --config=configs/qwen1_5b.py:runlocal "
             "--target=h100x8 --layers=2", covered=AOT_CLI),
+    Command("python scripts/accelerator_speed.py --compare "
+            "docs/results/accelerator_check_h200.json",
+            covered="tests/accelerator_check_test.py::"
+            "test_compare_sets_the_h200_learner_cases_against_the_aot_predictions"),
     Command(".aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1",
             skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
             "layers) in the GPU AOT environment: minutes; its output is committed"),
@@ -153,7 +157,8 @@ COMMANDS = [
             covered="tests/fault_process_test.py::"
             "test_sigterm_and_ctrl_c_to_the_process_group_while_scoring"),
     Command("bash scripts/accelerator_bundle.sh install && export "
-            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && timeout 570 "
+            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTEST_ADDOPTS=\"-n 8\" && "
+            "nvidia-smi -L && timeout 570 "
             "python3 scripts/accelerator_check.py --out $OUT/accelerator_check.json 2>&1 | tee "
             "$OUT/accelerator_check.log", skip=GPU_MACHINE),
     Command("pip install -e \".[vllm]\"", skip="installs vLLM (CUDA)"),
