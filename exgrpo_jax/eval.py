@@ -115,9 +115,7 @@ def make_engine(args, cfg, tokenizer):
 
 
 def load_model(path: str, dtype: str):
-  """(ModelConfig, params, tokenizer) from an HF dir, .gguf, training checkpoint or "";
-  the process's matmul precision follows `dtype` as a training run's does ("auto")."""
-  jax.config.update("jax_default_matmul_precision", models.matmul_precision("auto", dtype))
+  """(ModelConfig, params, tokenizer) from an HF dir, .gguf, training checkpoint or ""."""
   if path and checkpointing.is_training_checkpoint(path):
     cfg, params, tokenizer_source = checkpointing.load_policy_for_export(path)
     cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
@@ -147,7 +145,14 @@ def log(message: str) -> None:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   compile_cache.enable(args.compile_cache)
-  return cli.guarded(lambda: _evaluate(args), debug=args.debug)
+  return cli.guarded(lambda: at_matmul_precision(args.dtype, lambda: _evaluate(args)),
+                     debug=args.debug)
+
+
+def at_matmul_precision(dtype: str, fn):
+  """`fn()` at the matmul precision a training run uses for `dtype` ("auto")."""
+  with jax.default_matmul_precision(models.matmul_precision("auto", dtype)):
+    return fn()
 
 
 # Token budgets of the tasks (--max-new-tokens 0): data files get the reference eval's

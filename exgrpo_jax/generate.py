@@ -62,7 +62,8 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   compile_cache.enable(args.compile_cache)
-  return cli.guarded(lambda: _generate(args), debug=args.debug)
+  return cli.guarded(lambda: eval_cli.at_matmul_precision(args.dtype, lambda: _generate(args)),
+                     debug=args.debug)
 
 
 def _generate(args) -> int:

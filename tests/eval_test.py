@@ -244,3 +244,20 @@ def test_default_token_budget_fits_the_context_after_the_longest_prompt(
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1] == (f"error: --max-new-tokens {longest + 10} leaves no room for a prompt "
                      f"in the model's {longest + 10} positions"), err
+
+
+@pytest.mark.parametrize("dtype,expected", [("float32", "highest"), ("bfloat16", "default")])
+def test_eval_and_generate_run_at_a_training_runs_matmul_precision(monkeypatch, dtype,
+                                                                   expected):
+  """As the trainer (model.matmul_precision auto): JAX's own default is TF32 for float32
+  matmuls on NVIDIA GPUs. The process's setting is left as it was."""
+  from exgrpo_jax import eval as eval_cli  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import generate  # pylint: disable=g-import-not-at-top
+  before, seen = jax.config.jax_default_matmul_precision, []
+  record = lambda args: seen.append(jax.config.jax_default_matmul_precision) or 0
+  monkeypatch.setattr(eval_cli, "_evaluate", record)
+  monkeypatch.setattr(generate, "_generate", record)
+  assert eval_cli.main(["--data", "x.jsonl", "--dtype", dtype, "--no-compile-cache"]) == 0
+  assert generate.main(["--prompt", "hi", "--dtype", dtype, "--no-compile-cache"]) == 0
+  assert seen == [expected, expected]
+  assert jax.config.jax_default_matmul_precision == before
