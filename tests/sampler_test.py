@@ -205,3 +205,17 @@ def test_bad_requests_are_named(tiny, prompts, n, message):
 def test_bad_sampling_configs_are_named(kwargs, message):
   with pytest.raises(ValueError, match=message):
     sampling.SamplingConfig(**kwargs)
+
+
+def test_a_program_compiled_at_one_matmul_precision_is_not_reused_at_another(tiny):
+  """The engine's own cache of compiled programs keys on JAX's matmul precision, as jit's
+  does: a float32 run at `highest` (model.matmul_precision auto) must not get a TF32
+  program compiled earlier in the process."""
+  _, params, engine = tiny
+  calls = []
+  for precision in ("highest", "high", "high"):
+    before = engine.stats["compiles"]
+    with jax.default_matmul_precision(precision):
+      engine.generate(PROMPTS, 1, params, jax.random.key(0), GREEDY)
+    calls.append(engine.stats["compiles"] - before)
+  assert calls[1] > 0 and calls[2] == 0, calls

@@ -255,7 +255,8 @@ class JaxEngine:
   def compiled(self, program, args, static, takes_cfg: bool = True):
     """`program` (jitted; the model config its first argument if `takes_cfg`) compiled
     for these argument shapes and static options, once per process."""
-    signature = (program, self.program_cfg,
+    # The matmul precision too: jit's own cache keys on it, this one must as well.
+    signature = (program, self.program_cfg, jax.config.jax_default_matmul_precision,
                  tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                        for a in jax.tree.leaves(args)),
                  tuple(sorted(static.items())))
