@@ -126,11 +126,13 @@ def run(config, target_name: str, *, layers: int | None = None,
            f"{targets.usable_bytes(target) / GIB:.2f} GiB per device")
   results, outputs = [], {}
   step_programs = programs_lib.training_step(config, cfg, mesh)
+  precision = models.matmul_precision(config.model.matmul_precision, config.model.dtype)
   for program in step_programs:
     if ("learner" if program.name in LEARNER else "rollout") not in parts:
       continue
     progress(f"[aot] compiling {program.name}: {program.purpose} ...")
-    result = compile_program(program, outputs, mesh, target)
+    with jax.default_matmul_precision(precision):  # the trainer's
+      result = compile_program(program, outputs, mesh, target)
     results.append(result)
     progress("[aot]   " + (result.error or (
         f"{result.compile_s:.1f} s, peak {result.peak_bytes / GIB:.2f} GiB, with what "
