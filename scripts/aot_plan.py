@@ -201,17 +201,29 @@ def pool_bound(report: dict, page_size: int = 64) -> float:
   return (decode["usable_bytes"] - fixed) / row_bytes
 
 
+def decode_step_bytes(report: dict) -> float:
+  """What one decode step reads from HBM per device in the roofline (`decode_chunk`'s
+  bytes per call less its arguments and outputs, over its steps): the weights and the
+  pool's pages the step attends to (every page before the kernel, its live pages with
+  it)."""
+  decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
+  steps = int(re.match(r"(\d+) decode steps", decode["purpose"])[1])
+  return (decode["hbm_bytes_per_call"] - decode["argument_bytes"]
+          - decode["output_bytes"]) / steps
+
+
 def render(paths) -> str:
   """BUILD.md's tables: per config and target, the chosen settings, the pool's bound on
   the rows (`pool_bound`) and the compiler's per-device peaks (GiB) of the learner step
   and the largest rollout program, with the
   verdict of each that does not fit below; then the roofline estimate of one training
-  step with them."""
+  step with them, and the HBM bytes of one decode step (`decode_step_bytes`)."""
   lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | pool bound "
            "| learner peak | rollout peak (program) | usable |",
            "|---|---|---|---|---|---|---|---|---|"]
-  estimates = ["| config | target | rollout s | old-log-prob recompute s | learner s "
-               "| step s |", "|---|---|---|---|---|---|"]
+  estimates = ["| config | target | rows per call | decode GiB per step | rollout s "
+               "| old-log-prob recompute s | learner s | step s |",
+               "|---|---|---|---|---|---|---|---|"]
   verdicts = []
   plans = []
   for path in paths:
@@ -236,7 +248,8 @@ def render(paths) -> str:
         f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
         f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
         f"| {p['usable_gib']:.2f} |")
-    estimates.append(f"| {name} | {p['target']} | {est['rollout_s']:.0f} "
+    estimates.append(f"| {name} | {p['target']} | {c['max_rows']} "
+                     f"| {decode_step_bytes(p['report']) / GIB:.2f} | {est['rollout_s']:.0f} "
                      f"| {est['old_logp_recompute_s']:.0f} | {est['learner_s']:.0f} "
                      f"| {est['total_s']:.0f} |")
   return "\n".join(lines + ([""] + verdicts if verdicts else []) + [""] + estimates)
