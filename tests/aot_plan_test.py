@@ -1,5 +1,6 @@
-"""scripts/aot_plan.py's arithmetic: the pool's bound on the rows per call, and the rollout
-search's choice of rows, on made-up compiler figures (no compiles)."""
+"""scripts/aot_plan.py's arithmetic: the pool's bound on the rows per call, a decode step's
+bytes, and the rollout search's choice of rows, on made-up compiler figures (no
+compiles)."""
 
 import pytest
 
@@ -44,6 +45,13 @@ def test_pool_bound_counts_a_rows_last_page_whole():
   row = 145 * 64 * 2 * 2 * 128 * 2 * 32
   report = _report(8, 4, 4, 1000, 8200, 64, 20.0, row, 95.73)
   assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 20.0) * GIB / row)
+
+
+def test_decode_step_bytes_are_the_rooflines_reads_less_arguments_and_outputs_per_step():
+  decode = dict(name="decode_chunk", purpose="16 decode steps of 224 slots over the "
+                "32256-page pool", argument_bytes=60 * GIB, output_bytes=55 * GIB,
+                hbm_bytes_per_call=(60 + 55 + 16 * 38.5) * GIB)
+  assert aot_plan.decode_step_bytes(dict(programs=[decode])) == 38.5 * GIB
 
 
 class _AffinePlanner(aot_plan.Planner):
