@@ -1,10 +1,11 @@
 """The TPU decode path (pool in the ragged paged-attention kernel's layout, the kernel on
 each row's pages) gives the rows the XLA path gives them.
 
-On CPU the kernel is the Mosaic kernel itself, `rpa.ragged_paged_attention`, run by
-Pallas's TPU interpreter (`pltpu.force_tpu_interpret_mode`, which emulates its DMAs and
-semaphores) with two of the interpreter's gaps filled (`_fill_interpreter_gaps`); its
-arithmetic is the kernel's own (online softmax over blocks of pages, its masks).
+On CPU the kernel is the Mosaic kernel itself (`paged_kernel` calls
+`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), run by Pallas's TPU
+interpreter (`pltpu.force_tpu_interpret_mode`, which emulates its DMAs and semaphores)
+with two of the interpreter's gaps filled (`_fill_interpreter_gaps`); its arithmetic is
+the kernel's own (online softmax over blocks of pages, its masks).
 `tests/aot_test.py` compiles the same kernel for a TPU mesh.
 """
 
