@@ -59,14 +59,10 @@ def _transformers_from_subject(subject: parts.Subject, device: str, dtype: str):
 def sampler(ctx: parts.Context, deadline: parts.Deadline) -> dict:
   """bfloat16 tokens/s (EOS ignored, T = 1) of our JAX sampler and transformers `generate`,
   and the HBM bound: (weight + KV bytes read per decode step) / the device's published
-  bandwidth (the measured read bandwidth where the device is not an AOT target's)."""
+  bandwidth (`bench_sampler.bound_bandwidth_gbs`)."""
   sz = ctx.sizes
-  measured = bench_sampler.read_bandwidth_gbs(max(sz.repeats, 5))
-  # The bound takes the device's published bandwidth where the AOT targets know the device:
-  # a one-array read measured 539 GB/s on an H200 (4,800 published).
-  kinds = {t.device_kind: t.hbm_bandwidth / 1e9 for t in targets.TARGETS.values()}
-  published = kinds.get(jax.devices()[0].device_kind)
-  bandwidth = published or measured
+  bandwidths = bench_sampler.bound_bandwidth_gbs(max(sz.repeats, 5))
+  bandwidth = bandwidths["bound_bandwidth_gb_per_s"]
   try:
     parts.import_torch()
     device, torch_skip = ctx.torch_device(), None
@@ -111,9 +107,8 @@ def sampler(ctx: parts.Context, deadline: parts.Deadline) -> dict:
   if device == "cuda":  # give PyTorch's cached blocks back before the learner's JAX steps
     import torch  # pylint: disable=g-import-not-at-top
     torch.cuda.empty_cache()
-  return dict(dtype="bfloat16", measured_read_bandwidth_gb_per_s=measured,
-              published_bandwidth_gb_per_s=published, bound_bandwidth_gb_per_s=bandwidth,
-              torch_device=device, runs=runs, skipped_for_budget=skipped,
+  return dict(dtype="bfloat16", **bandwidths, torch_device=device, runs=runs,
+              skipped_for_budget=skipped,
               summary=", ".join(f"{r['model'].split()[0]} b{r['batch']} "
                                 f"{r['ours']['tokens_per_s']:.0f} tok/s" for r in runs))
 

@@ -150,3 +150,17 @@ def test_compare_sets_the_h200_learner_cases_against_the_aot_predictions():
                                                  "accelerator_check_h200.json"))
   rows = [line for line in table.splitlines() if line.startswith("| cudnn S=4096")]
   assert rows == ["| cudnn S=4096 M=2 | 30.46 | 29.21 | 1.043 | 13.21 | 11.96 | 36.95 |"]
+
+
+def test_the_hbm_bound_takes_a_known_devices_published_bandwidth(monkeypatch):
+  """A sum to one scalar read 539 GB/s on an H200 (published 4,800): the bound divides by
+  the published figure where the AOT targets know the device, the measured one elsewhere."""
+  from scripts import bench_sampler  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bench_sampler, "read_bandwidth_gbs", lambda repeats: 539.0)
+  for kind, bound in (("NVIDIA H200", 4800.0), ("cpu", 539.0)):
+    monkeypatch.setattr(bench_sampler.jax, "devices",
+                        lambda kind=kind: [types.SimpleNamespace(device_kind=kind)])
+    assert bench_sampler.bound_bandwidth_gbs(5) == dict(
+        measured_read_bandwidth_gb_per_s=539.0,
+        published_bandwidth_gb_per_s=None if kind == "cpu" else bound,
+        bound_bandwidth_gb_per_s=bound)
