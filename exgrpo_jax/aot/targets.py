@@ -10,8 +10,8 @@ programs for them on a CPU host without the hardware (`devices`). Nothing runs o
         a real GPU of that model (gpu_specs/, `scripts/gpu_target_config.py`), else the
         spec that the installed CUDA plugin itself carries (XLA's target specs, embedded
         in the plugin; `gpu_target_config`), or `--target-config FILE`. XLA:GPU does not
-        refuse a program that is too large, so `usable_bytes` is the device memory times the share JAX may allocate
-        (XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's default 0.75).
+        refuse a program that is too large, so `usable_bytes` is the device memory times
+        the share JAX may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's default 0.75).
 
 Peak bf16 FLOP/s and HBM bandwidth are the vendors' published figures per device (a
 TPU v4/v5p chip is one device: its two cores act as one, "megacore"); they are used
