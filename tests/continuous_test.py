@@ -180,6 +180,19 @@ def test_the_tail_runs_in_fewer_slots(eos_model, monkeypatch):
     assert engine.stats["slot_steps"] < slots * engine.stats["decode_steps"]
 
 
+def test_on_a_mesh_new_rows_fill_the_emptiest_shard_and_the_tail_keeps_each_rows_shard():
+  """8 slots in 2 shards. Free slots are taken from the shard with the fewest rows (the
+  pool is sized by its fullest shard); the tail keeps every row in its own shard, so its
+  pages stay on its device, with as many slots per shard as the fullest needs."""
+  slot_row_B = np.array([0, 1, 2, -1, -1, -1, -1, -1])
+  np.testing.assert_array_equal(continuous._free_slots(slot_row_B, 2), [4, 5, 6, 3, 7])
+  np.testing.assert_array_equal(continuous._free_slots(slot_row_B, 1), [3, 4, 5, 6, 7])
+  tail_B = np.array([-1, 7, -1, -1, 8, -1, 9, -1])
+  np.testing.assert_array_equal(continuous._tail_slots(tail_B, 2), [1, 0, 4, 6])
+  np.testing.assert_array_equal(continuous._tail_slots(tail_B, 1), [1, 4, 6, 0])
+  assert continuous._tail_slots(np.array([-1, 7, 8, 9, -1, -1, -1, -1]), 2) is None
+
+
 def test_rows_keep_their_draws_whatever_their_slot(eos_model):
   """Row r's draws come from fold_in(fold_in(key, r), t): dropping the rows before it
   (so it gets another slot at another time) leaves it as it was."""

@@ -95,8 +95,9 @@ def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrin
 
 def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool():
   """Slots and pages split in 2 (the mesh's batch axes): slots 0-1 use pages of the
-  first half, slots 2-3 of the second; a row moved to the other half by `select` has its
-  pages moved there by the next `fit`, with their contents."""
+  first half, slots 2-3 of the second; `select` keeps each row in its half, so a resize
+  moves every page within its half, with its contents, and a select that would move a
+  row to the other half is refused."""
   table = pages.PageTable(4, page_size=4, prompt_len=8, max_new_tokens=8, sizes=4,
                           shards=2)
   half = lambda: table.pages // 2
@@ -105,7 +106,17 @@ def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool():
   assert all(p >= half() for p in _held(table, 3)) and len(_held(table, 3)) == 2
   moved = _held(table, 3)
   table.release(0)
-  table.select(np.array([3, 0]))  # slot 3's row becomes slot 0, now of the first half
-  source = table.fit(np.array([5, 0]))
-  assert source is not None and all(p < half() for p in _held(table, 0))
-  np.testing.assert_array_equal(source[_held(table, 0)], moved)
+  try:
+    table.select(np.array([3, 0]))
+    raise AssertionError("a row moved to the other half")
+  except ValueError as e:
+    assert "select [3, 0] moves a row out of its shard (2 shards of 4 slots)" in str(e)
+  old_half = half()
+  table.select(np.array([1, 3]))  # slot 3's row becomes slot 1: still the second half
+  assert _held(table, 0) == [] and _held(table, 1) == moved
+  source = table.fit(np.array([0, 5]))  # the pool shrinks to 2 pages a half
+  assert source is not None and table.pages == 4 and all(p >= half() for p in _held(table, 1))
+  np.testing.assert_array_equal(source[_held(table, 1)], moved)
+  for s in range(2):  # every new page's source, where it has one, is in its own half
+    part = source[s * half():(s + 1) * half()]
+    assert ((part // old_half == s) | (part == 2 * old_half)).all(), source

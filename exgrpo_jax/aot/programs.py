@@ -148,7 +148,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   params = lambda out: out["rollout_copy"]  # evaluation shares the rollout's copy
   # What stays on the devices beside a rollout program's own arguments.
   weights = lambda out: (*learner_state, params(out), out[prefix + "prepare_layers"])
-  slots = engine.continuous_slots(rows, N)
+  slots = engine.continuous_slots(rows, N, mesh)
   if not slots:
     per_call = min(rows, engine.max_rows or rows)
     B, P = decode.bucket(per_call), decode.bucket(max(per_call * prompts // rows, 1))
@@ -163,8 +163,8 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
         lambda out: (pcfg, params(out), *batch, *scalars), dict(options, phases=phases),
         calls=-(-rows // per_call), steps=N, streamed=(1,),
         resident=lambda _: learner_state)]
-  floor = sharding.batch_shards(mesh)
-  table = pages.PageTable(slots, engine.page_size, L, N, continuous.POOL_SIZES, floor)
+  table = pages.PageTable(slots, engine.page_size, L, N, continuous.POOL_SIZES,
+                          sharding.batch_shards(mesh))
   pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
   grows_from = table.sizes[-2] if len(table.sizes) > 1 else pool  # the costliest growth
   A = min(continuous.MAX_ROWS, slots)

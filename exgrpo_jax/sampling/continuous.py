@@ -10,8 +10,8 @@ are admitted one after another; the last prompt an `admit` prefilled is kept on 
 (the carry), and its later rows copy its cache instead of prefilling it again: every
 prompt is prefilled once, as in the static loop. Once no row waits, the tail runs in
 fewer slots: when the live rows fit into half of them, `slots.select` moves them into
-the engine's batch bucket that holds them (`_tail_slots`: a power of two up to 64), so
-the last long rows stop paying for ended ones.
+the engine's batch bucket that holds them (`_tail_slots`: a power of two up to 64, per
+shard of a mesh's batch axes), so the last long rows stop paying for ended ones.
 
 The KV cache is a pool of pages (`slots`, `pages`). A row addresses its cache by
 position (its prompt from 0, then step t at prompt length + t), and its addresses live
@@ -77,8 +77,8 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   scalars = put((np.float32(sampling.temperature), np.float32(sampling.top_p),
                  np.bool_(sampling.is_greedy), np.asarray(engine.eos_ids, np.int32)))
   options = dict(sampling.program_options(), steps=engine.chunk_steps)
-  floor = 1 if mesh is None else sharding.batch_shards(mesh)
-  table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, floor)
+  shards = 1 if mesh is None else sharding.batch_shards(mesh)
+  table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, shards)
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
@@ -95,7 +95,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   slot_row_B = np.full(B, -1)
   waiting = 0
   while True:
-    free = np.flatnonzero(slot_row_B < 0)[:R - waiting]
+    free = _free_slots(slot_row_B, shards)[:R - waiting]
     new_rows = np.arange(waiting, waiting + free.size)
     for b in free:
       table.release(b)
@@ -104,7 +104,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
     if (slot_row_B < 0).all():
       break
     # Not in a round that admits rows: they are placed below, into the slots they have.
-    keep_C = _tail_slots(slot_row_B, floor) if waiting == R and not free.size else None
+    keep_C = _tail_slots(slot_row_B, shards) if waiting == R and not free.size else None
     if keep_C is not None:  # the pool stays where it is: only the slots' state moves
       args = (state.replace(caches=()), put(keep_C))
       state = engine.compiled(slots_lib.select, args, dict(mesh=mesh), takes_cfg=False)(
@@ -155,19 +155,36 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
               lengths_B=lengths_R, eos_B=(lengths_R > 0) & np.isin(last_R, engine.eos_ids))
 
 
-def _tail_slots(slot_row_B, floor: int):
-  """The slots to keep once no row waits: the live ones, then ended ones up to C =
-  bucket(live rows) rounded up to a multiple of `floor`; None unless C <= B / 2.
+def _free_slots(slot_row_B, shards: int):
+  """The free slots, in the order that fills the shard with the fewest rows first: the
+  pool is sized by its fullest shard (`pages.PageTable`), and the tail by its shard
+  with the most live rows (`_tail_slots`)."""
+  per = slot_row_B.size // shards
+  free = np.flatnonzero(slot_row_B < 0)
+  shard_F = free // per
+  rows_S = per - np.bincount(shard_F, minlength=shards)
+  rank_F = np.arange(free.size) - np.searchsorted(shard_F, shard_F)  # within its shard
+  return free[np.lexsort((shard_F, rows_S[shard_F] + rank_F))]
 
-  A tail step of few live rows then costs a step of C rows, not B. Halving at least bounds the shrinks to log2(B) per call,
-  each a copy of the kept slots, and keeps the slot counts to a few program shapes.
+
+def _tail_slots(slot_row_B, shards: int):
+  """The slots to keep once no row waits: C = `shards` x bucket(the most live rows of a
+  shard), each shard's live slots, then its ended ones, in its C / shards; None unless
+  C <= B / 2.
+
+  A tail step of few live rows then costs a step of C rows, not B. Halving at least
+  bounds the shrinks to log2(B) per call, each a copy of the kept slots, and keeps the
+  slot counts to a few program shapes. A row keeps its shard (the mesh's split of the
+  slots), so its pages stay on its device (`pages.PageTable`).
   """
-  live = np.flatnonzero(slot_row_B >= 0)
-  C = -(-decode.bucket(live.size) // floor) * floor
-  if 2 * C > slot_row_B.size:
+  slot_SxB = np.arange(slot_row_B.size).reshape(shards, -1)
+  live_SxB = slot_row_B[slot_SxB] >= 0
+  per = decode.bucket(int(live_SxB.sum(axis=1).max()))
+  if 2 * per * shards > slot_row_B.size:
     return None
-  ended = np.flatnonzero(slot_row_B < 0)
-  return np.concatenate([live, ended[:C - live.size]]).astype(np.int32)
+  keep = [np.concatenate([slots[live], slots[~live]])[:per]
+          for slots, live in zip(slot_SxB, live_SxB)]
+  return np.concatenate(keep).astype(np.int32)
 
 
 def _stopped(tokenizer, ids, new_from: int, stop_strings) -> bool:

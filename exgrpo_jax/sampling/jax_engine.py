@@ -150,7 +150,8 @@ class JaxEngine:
           f"the model's max_position_embeddings={self.model_cfg.max_position_embeddings}")
     start = time.perf_counter()
     params = self._rollout_params(params)
-    slots = self.continuous_slots(prompt_index_N.size, sampling.max_new_tokens)
+    slots = self.continuous_slots(prompt_index_N.size, sampling.max_new_tokens,
+                                  sharding.mesh_of(params))
     if slots:
       parts = [continuous.generate(
           self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
@@ -181,16 +182,21 @@ class JaxEngine:
           out_shardings=models.param_shardings(self.model_cfg, mesh, self.rules))
     return self._reshard[mesh]
 
-  def continuous_slots(self, rows: int, max_new_tokens: int) -> int:
-    """The slots continuous scheduling decodes `rows` rows in; 0: the static loop."""
+  def continuous_slots(self, rows: int, max_new_tokens: int, mesh=None) -> int:
+    """The slots continuous scheduling decodes `rows` rows in; 0: the static loop. On a
+    mesh, a multiple of its batch shards: each device holds as many slots, and their
+    rows' pages (`pages.PageTable`)."""
     if self.scheduler != "continuous":
       return 0
     if self.max_rows is not None and rows > self.max_rows:
-      return self.max_rows
-    if self.continuous_from is None or max_new_tokens < self.continuous_from:
+      slots = self.max_rows
+    elif self.continuous_from is None or max_new_tokens < self.continuous_from:
       return 0
-    slots = decode.bucket(rows)  # the static loop's batch for these rows
-    return slots if self.max_rows is None else min(slots, self.max_rows)
+    else:
+      slots = decode.bucket(rows)  # the static loop's batch for these rows
+      slots = slots if self.max_rows is None else min(slots, self.max_rows)
+    shards = 1 if mesh is None else sharding.batch_shards(mesh)
+    return -(-slots // shards) * shards
 
   def _split(self, counts: np.ndarray) -> list[np.ndarray]:
     """Row-index ranges for each call: whole prompts, at most `max_rows` rows each."""

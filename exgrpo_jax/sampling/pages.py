@@ -12,7 +12,8 @@ changes, the pool's new page order (`slots.repage`): the held pages first.
 On a mesh the slots and the pool's pages are both split over the batch axes into
 `shards` equal parts; a row's pages are always in its slot's part of the pool, so the
 device holding a row also holds its pages (the paged-attention kernel reads them there,
-`paged_kernel`). When rows change shards (`select`), `fit` moves their pages with them.
+`paged_kernel`). A row never changes shards (`select` keeps it on its own), so a resize
+moves each device's pages on that device (`slots.repage_layer`).
 """
 
 import numpy as np
@@ -50,9 +51,15 @@ class PageTable:
     self.table_BxN[b] = -1
 
   def select(self, keep_C: np.ndarray) -> None:
-    """Slots `keep_C` become slots 0 .. C - 1 (`slots.select`); the others hold no page."""
+    """Slots `keep_C` become slots 0 .. C - 1 (`slots.select`); the others hold no page.
+    Each kept slot's new one is in the same shard: its pages stay where they are."""
+    C = keep_C.size
+    if C % self.shards or (keep_C // (self.slots // self.shards)
+                           != np.arange(C) // (C // self.shards)).any():
+      raise ValueError(f"select {keep_C.tolist()} moves a row out of its shard "
+                       f"({self.shards} shards of {self.slots} slots)")
     slot_of = np.full(self.slots, -1)
-    slot_of[keep_C] = np.arange(keep_C.size)
+    slot_of[keep_C] = np.arange(C)
     self.table_BxN = self.table_BxN[keep_C]
     self.owner_P = np.where(self.owner_P >= 0, slot_of[self.owner_P], -1)
 
@@ -62,19 +69,18 @@ class PageTable:
   def fit(self, ends_B: np.ndarray) -> np.ndarray | None:
     """Gives each slot b the pages of its addresses below `ends_B[b]` (0: none).
 
-    Returns, when the pool's size or a held page's shard changes, `slots.repage`'s
-    source: for each new page, the old page it is (out of range: a new, empty page);
+    Returns, when the pool's size changes, `slots.repage`'s source: for each new page,
+    the old page it is (out of range: a new, empty page), always in the same shard;
     else None.
     """
     last_B = -(-ends_B // self.T)
     need_S = np.bincount(self._shard_of_slot(np.arange(self.slots)), weights=last_B,
                          minlength=self.shards)
     size = next(s for s in self.sizes if s // self.shards >= need_S.max())
-    held = np.flatnonzero(self.owner_P >= 0)
-    held_shard = self._shard_of_slot(self.owner_P[held])
-    misplaced = held_shard != held // (self.pages // self.shards)
     source_Q = None
-    if size != self.pages or misplaced.any():
+    if size != self.pages:
+      held = np.flatnonzero(self.owner_P >= 0)
+      held_shard = held // (self.pages // self.shards)
       per = size // self.shards
       source_Q = np.full(size, self.pages)  # out of range: empty
       for s in range(self.shards):  # each shard's held pages first, in their order
