@@ -4,6 +4,7 @@
   python -m tests.aot_child TARGET ATTENTION MESH --rollout
   python -m tests.aot_child hbm TARGET ...
   python -m tests.aot_child repage TARGET FSDPxTENSOR KV_HEADS OLD_PAGES NEW_PAGES
+  python -m tests.aot_child decode_attention TARGET ROWS KV_HEADS
 
 The first compiles a tiny Qwen2-shaped learner step (GQA, q/k/v biases) for a target;
 `--unsharded-kernels` calls the fused kernel without `shard_map` (what the code did
@@ -12,6 +13,9 @@ same model's rollout programs (continuous batching) instead. The last asks the T
 compiler how much HBM a program of each target's chip may use (its refusal of a larger
 one says). `repage` compiles one layer's growth of the page pool (`slots.repage_layer`),
 in the layout the target's decode takes, and prints its bytes per device.
+`decode_attention` compiles one decode step's paged attention (`paged_kernel.attend`) on
+one chip: ROWS rows of 1024 + 8192 tokens, KV_HEADS KV heads of 128 with 4 query heads
+each, and prints the compiler's error, if any.
 """
 
 import json
@@ -64,6 +68,32 @@ def repage(target_name, mesh_shape, kv_heads, old, new) -> dict:
               output_bytes=memory.output_size_in_bytes, temp_bytes=memory.temp_size_in_bytes)
 
 
+def decode_attention(target_name, rows, kv_heads) -> dict:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.sampling import paged_kernel  # pylint: disable=g-import-not-at-top
+  chip = targets.devices(targets.get(target_name))[0]
+  mesh = jax.sharding.Mesh(np.array([[chip]]), ("fsdp", "tensor"))
+  device = jax.sharding.SingleDeviceSharding(chip)
+  struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+  per_row, H, Dh = 144, 4 * kv_heads, 128
+  args = (struct((rows, H, Dh), jnp.bfloat16), struct((rows, kv_heads, Dh), jnp.bfloat16),
+          struct((rows, kv_heads, Dh), jnp.bfloat16),
+          struct((rows * per_row, 64, 2 * kv_heads, Dh), jnp.bfloat16),
+          struct((rows,), jnp.int32), struct((rows,), jnp.int32),
+          struct((rows, per_row), jnp.int32), struct((rows,), jnp.int32))
+  try:
+    with sharding.use_mesh(mesh):
+      jax.jit(paged_kernel.attend).lower(*args).compile()
+    return dict(error="")
+  except Exception as e:  # pylint: disable=broad-except
+    return dict(error=str(e).splitlines()[0] + " " + " ".join(
+        l for l in str(e).splitlines() if "Scoped allocation" in l))
+
+
 def main(argv) -> None:
   from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
   targets.prepare_environment()
@@ -72,6 +102,9 @@ def main(argv) -> None:
     return
   if argv[1] == "repage":
     print(json.dumps(repage(argv[2], argv[3], *map(int, argv[4:7]))))
+    return
+  if argv[1] == "decode_attention":
+    print(json.dumps(decode_attention(argv[2], *map(int, argv[3:5]))))
     return
   target_name, attention_name, mesh_shape = argv[1], argv[2], argv[3]
   from configs import common  # pylint: disable=g-import-not-at-top

@@ -131,6 +131,18 @@ def test_tpu_pool_growth_gathers_a_layer_straight_into_its_new_pages(
   assert found["temp_bytes"] < 0.01 * found["output_bytes"]
 
 
+def test_tpu_decode_attention_fits_scoped_vmem_with_8_kv_heads_a_chip():
+  """Llama-3.1-8B's decode attention at tensor 1 (8 KV heads a chip) with 34 rows a chip
+  (two blocks of queries), on a v5p: at 16 pages a block the kernel needed 16.12 MiB of
+  Mosaic's 16 MiB of scoped VMEM (the plan's mesh 4 x 1 failed at 136 rows)."""
+  proc = subprocess.run(
+      [aot_python("tpu"), "-m", "tests.aot_child", "decode_attention", "v5p-8", "34", "8"],
+      cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(), capture_output=True, text=True,
+      timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == dict(error="")
+
+
 @pytest.mark.slow
 def test_gpu_rollout_programs_keep_their_committed_peaks(tmp_path):
   """The GPU keeps XLA's pool layout: Qwen2.5-Math-1.5B's rollout on 8 H100s (its plan's

@@ -173,6 +173,15 @@ def test_kernel_path_on_a_mesh_gives_the_xla_paths_rows(tmp_path):
   np.testing.assert_allclose(out["entropy"], ref["entropy"], rtol=0, atol=1e-5)
 
 
+def test_a_kernel_block_holds_1024_keys_or_1_mib_of_keys_and_values():
+  bf16 = "bfloat16"
+  assert paged_kernel.block_pages((9, 64, 4, 128), bf16, 144) == 16  # 2 KV heads a chip
+  assert paged_kernel.block_pages((9, 64, 2, 128), bf16, 144) == 16  # 1: still 1024 keys
+  assert paged_kernel.block_pages((9, 64, 16, 128), bf16, 144) == 4  # 8: 1 MiB
+  assert paged_kernel.block_pages((9, 64, 16, 128), bf16, 3) == 3  # a row's pages at most
+  assert paged_kernel.block_pages((9, 64, 64, 256), "float32", 144) == 1
+
+
 def test_the_pool_takes_the_kernels_layout_on_tpu_only():
   cfg = models.ModelConfig(head_dim=128)
   assert not paged_kernel.wanted(cfg, None, 8)  # this host's CPU

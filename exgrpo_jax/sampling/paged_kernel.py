@@ -30,7 +30,12 @@ P = jax.sharding.PartitionSpec
 # Keys per kernel block (`num_kv_pages_per_block` x T) and queries per block: the kernel's
 # tuned table's most common v5 choice for pages of 64, 16 pages and 32 queries (JAX looks
 # it up from the attached TPU, which an ahead-of-time compile on a CPU host has not).
+# A block holds at most _BLOCK_BYTES of keys and values (that choice's for 2 KV heads of
+# 128 in bfloat16), so more heads on a device take fewer pages: at 16 pages, 8 KV heads
+# (Llama-3.1-8B at tensor 1) and two blocks of queries the kernel needed 16.12 MiB of
+# Mosaic's 16 MiB of scoped VMEM.
 _BLOCK_KEYS = 1024
+_BLOCK_BYTES = 2 ** 20
 _BLOCK_QUERIES = 32
 
 
@@ -85,6 +90,13 @@ def attend(q_BxHxDh, k_BxKxDh, v_BxKxDh, kv_PxTxCxDh, page_B, offset_B, table_Bx
           q_BxHxDh, new_BxCxDh, kv_PxTxCxDh, page_B, offset_B, table_BxN, length_B)
 
 
+def block_pages(pool_shape, dtype, pages_per_row: int) -> int:
+  """Pages per kernel block for a device's pool of `pool_shape` (P, T, C, Dh)."""
+  _, page_size, combined, head_dim = pool_shape
+  page_bytes = page_size * combined * head_dim * jnp.dtype(dtype).itemsize
+  return max(1, min(pages_per_row, _BLOCK_KEYS // page_size, _BLOCK_BYTES // page_bytes))
+
+
 def _per_shard(q_BxHxDh, new_BxCxDh, kv_PxTxCxDh, page_B, offset_B, table_BxN, length_B,
                *, pages: int, scale: float):
   """`attend` on one device's rows and pages: global page numbers (pool of `pages`)
@@ -94,9 +106,9 @@ def _per_shard(q_BxHxDh, new_BxCxDh, kv_PxTxCxDh, page_B, offset_B, table_BxN, l
   kv_PxTxCxDh = kv_PxTxCxDh.at[jnp.where(page_B < pages, page_B % local, local),
                                offset_B].set(new_BxCxDh, mode="drop")
   table_BxN = jnp.where(table_BxN < pages, table_BxN % local, 0)
-  block_pages = max(1, min(N, _BLOCK_KEYS // kv_PxTxCxDh.shape[1]))
   out_BxHxDh = rpa.ragged_paged_attention(
       q_BxHxDh, kv_PxTxCxDh, length_B, table_BxN, jnp.arange(B + 1, dtype=jnp.int32),
-      jnp.array([B], jnp.int32), sm_scale=scale, num_kv_pages_per_block=block_pages,
+      jnp.array([B], jnp.int32), sm_scale=scale,
+      num_kv_pages_per_block=block_pages(kv_PxTxCxDh.shape, kv_PxTxCxDh.dtype, N),
       num_queries_per_block=min(B, _BLOCK_QUERIES))
   return out_BxHxDh, kv_PxTxCxDh
