@@ -212,18 +212,27 @@ def decode_step_bytes(report: dict) -> float:
           - decode["output_bytes"]) / steps
 
 
+def prefill_seconds(report: dict) -> float:
+  """The roofline seconds per step of the prompts' prefill (`admit`) and its copy into
+  the pool's pages (`place`): the most that prefilling through the paged-attention
+  kernel, straight into pages, could save."""
+  return sum(p["roofline_s"] * p["calls_per_step"] for p in report["programs"]
+             if p["name"] in ("admit", "place"))
+
+
 def render(paths) -> str:
   """BUILD.md's tables: per config and target, the chosen settings, the pool's bound on
   the rows (`pool_bound`) and the compiler's per-device peaks (GiB) of the learner step
   and the largest rollout program, with the
   verdict of each that does not fit below; then the roofline estimate of one training
-  step with them, and the HBM bytes of one decode step (`decode_step_bytes`)."""
+  step with them, the HBM bytes of one decode step (`decode_step_bytes`) and the
+  prefill's part of the rollout (`prefill_seconds`)."""
   lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | pool bound "
            "| learner peak | rollout peak (program) | usable |",
            "|---|---|---|---|---|---|---|---|---|"]
   estimates = ["| config | target | rows per call | decode GiB per step | rollout s "
-               "| old-log-prob recompute s | learner s | step s |",
-               "|---|---|---|---|---|---|---|---|"]
+               "| of it prefill s | old-log-prob recompute s | learner s | step s |",
+               "|---|---|---|---|---|---|---|---|---|"]
   verdicts = []
   plans = []
   for path in paths:
@@ -250,6 +259,7 @@ def render(paths) -> str:
         f"| {p['usable_gib']:.2f} |")
     estimates.append(f"| {name} | {p['target']} | {c['max_rows']} "
                      f"| {decode_step_bytes(p['report']) / GIB:.2f} | {est['rollout_s']:.0f} "
+                     f"| {prefill_seconds(p['report']):.1f} "
                      f"| {est['old_logp_recompute_s']:.0f} | {est['learner_s']:.0f} "
                      f"| {est['total_s']:.0f} |")
   return "\n".join(lines + ([""] + verdicts if verdicts else []) + [""] + estimates)

@@ -54,6 +54,13 @@ def test_decode_step_bytes_are_the_rooflines_reads_less_arguments_and_outputs_pe
   assert aot_plan.decode_step_bytes(dict(programs=[decode])) == 38.5 * GIB
 
 
+def test_prefill_seconds_are_admit_and_place_rooflines_times_their_calls():
+  programs = [dict(name="admit", roofline_s=0.03, calls_per_step=32),
+              dict(name="place", roofline_s=0.05, calls_per_step=64),
+              dict(name="decode_chunk", roofline_s=0.29, calls_per_step=2000)]
+  assert aot_plan.prefill_seconds(dict(programs=programs)) == pytest.approx(0.96 + 3.2)
+
+
 class _AffinePlanner(aot_plan.Planner):
   """A planner whose compiles are made up: each rollout program's peak is affine in the
   rows, and a compile fits where every peak is within `usable`."""
