@@ -141,7 +141,7 @@ def test_kernel_path_gives_the_xla_paths_rows(qwen2_model, monkeypatch):
 
 def _mesh_child(outdir: str) -> None:
   """On a 2 x 2 mesh of CPU devices: 4 slots, rows and pages split in 2, KV heads in 2;
-  the tail moves rows between halves (their pages follow)."""
+  the tail keeps each row in its half, with its pages."""
   monkeypatch = pytest.MonkeyPatch()
   cfg, params = _qwen2_model()
   mesh = sharding.make_mesh(types.SimpleNamespace(shape=(2, 2), axes=("fsdp", "tensor")))

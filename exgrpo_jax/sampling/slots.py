@@ -181,11 +181,12 @@ def repage_layer(layer, source_Q, *, mesh=None):
   on a v5p-8).
 
   On a mesh each device moves its own pages, inside `shard_map`: a page never changes
-  devices (`pages.PageTable`), and XLA's gather over a pool split by page went through a
-  temporary of 4.5 to 9.75 times the new layer on TPU."""
+  devices (`pages.PageTable`), and XLA's own gather over a pool split by page went
+  through a temporary of 4.5 to 9.75 times the new layer on TPU (and on GPU, 4.7 times
+  this program's peak for Qwen2.5-Math-1.5B at 1024 rows on 8 H100s)."""
   old = layer[0].shape[0]
 
-  def move(source_Q, *layer):  # the pool's page numbers -> this part of it's
+  def move(source_Q, *layer):  # pool page numbers -> this device's
     local = layer[0].shape[0]
     index_Q = jnp.where(source_Q < old, source_Q % local, local)
     fill = dict(mode="clip") if len(layer) == 1 else dict(mode="fill", fill_value=0)
