@@ -52,15 +52,41 @@ def _shapes(args):
 
 
 @pytest.fixture(scope="module")
-def aot_programs():
+def aot_compiled():
+  """Every program of a step compiled for the host: (programs, their outputs, results)."""
   mesh = sharding.make_mesh(small_config().mesh, jax.devices()[:1])
   listed = programs_lib.training_step(small_config(), CFG, mesh)
-  outputs, compiled = {}, {}
+  outputs, results = {}, {}
   for program in listed:
-    result = check.compile_program(program, outputs, mesh, HOST)
-    assert not result.error, (program.name, result.error)
-    compiled[program.name] = (program, program.args(outputs))
-  return compiled
+    results[program.name] = check.compile_program(program, outputs, mesh, HOST)
+    assert not results[program.name].error, (program.name, results[program.name].error)
+  return listed, outputs, results
+
+
+@pytest.fixture(scope="module")
+def aot_programs(aot_compiled):
+  listed, outputs, _ = aot_compiled
+  return {program.name: (program, program.args(outputs)) for program in listed}
+
+
+def test_decode_chunk_counts_everything_the_rollout_keeps(aot_compiled):
+  """During a decode chunk the device holds the learner's state, the whole rollout copy
+  (the engine keeps it for the next admit), the prepared layers and the pool. The chunk
+  reads only the copy's embeddings and head, so its compiled arguments leave out the
+  copy's layers (jit drops unused arguments): they must be counted beside it."""
+  _, outputs, results = aot_compiled
+  learner_state = (outputs["learner_step"][0], outputs["learner_step"][1])
+  held = (*learner_state, outputs["rollout_copy"], outputs["prepare_layers"],
+          outputs["repage_layer"])
+  pool_layers = CFG.num_layers  # the pool's largest size: every layer as repage_layer's
+  held_bytes = (analysis.shard_bytes(held[:-1])
+                + pool_layers * analysis.shard_bytes(outputs["repage_layer"]))
+  decode = results["decode_chunk"]
+  counted = decode.argument_bytes + decode.resident_bytes
+  # Less what the chunk's arguments add beyond them: the slots' state, page table, scalars.
+  slots_bytes = analysis.shard_bytes(outputs["empty"][0].replace(caches=()))
+  assert counted >= held_bytes, (counted, held_bytes)
+  assert counted <= held_bytes + slots_bytes + 2 ** 16, (counted, held_bytes)
 
 
 def test_rollout_programs_are_the_engines(aot_programs, monkeypatch):

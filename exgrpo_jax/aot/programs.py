@@ -218,7 +218,10 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
               lambda out: (pcfg, params(out), out[prefix + "prepare_layers"], grown(out),
                            i32(slots, per_row), i32(pool), i32(pool), *scalars),
               options | dict(steps=steps), calls=rows * N / slots / steps, steps=steps,
-              streamed=(2, 3), cache_share=live, resident=lambda _: learner_state),
+              streamed=(2, 3), cache_share=live,
+              # the copy's layers: the chunk reads the prepared ones (jit drops the unused
+              # argument), but the engine holds them for its next admit
+              resident=lambda out: (*learner_state, params(out)["layers"])),
       Program(prefix + "release", "slots freed by stop strings", slots_lib.release,
               lambda out: (grown(out), _struct((slots,), bool, mesh)), calls=0,
               resident=weights),
