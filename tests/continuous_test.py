@@ -6,6 +6,7 @@ decode chunks short enough that rows are admitted mid-run and span several chunk
 """
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -191,6 +192,17 @@ def test_on_a_mesh_new_rows_fill_the_emptiest_shard_and_the_tail_keeps_each_rows
   np.testing.assert_array_equal(continuous._tail_slots(tail_B, 2), [1, 0, 4, 6])
   np.testing.assert_array_equal(continuous._tail_slots(tail_B, 1), [1, 4, 6, 0])
   assert continuous._tail_slots(np.array([-1, 7, 8, 9, -1, -1, -1, -1]), 2) is None
+
+
+def test_on_a_mesh_the_slots_are_a_multiple_of_the_batch_shards(eos_model):
+  cfg, _ = eos_model
+  engine = sampling.make_engine("jax", cfg, None, max_rows=3)
+  mesh = types.SimpleNamespace(shape={"fsdp": 4, "tensor": 2})
+  assert engine.continuous_slots(12, 40) == 3
+  assert engine.continuous_slots(12, 40, mesh) == 4
+  assert engine.continuous_slots(2, 40) == 0  # every row has a slot: the static loop
+  assert sampling.make_engine("jax", cfg, None, continuous_from=0).continuous_slots(
+      3, 40, mesh) == 4
 
 
 def test_rows_keep_their_draws_whatever_their_slot(eos_model):

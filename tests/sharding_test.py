@@ -125,6 +125,13 @@ def _child(outdir: str) -> None:
                            continuous_logp=out.logprobs_NxT.tolist(),
                            tail_slot_steps=engine.stats["slot_steps"]
                            - 8 * engine.stats["decode_steps"])
+      # 3 slots asked for, fewer than or not a multiple of the batch shards (8, 2): the
+      # engine rounds them up (a bare StopIteration before).
+      out = sampling.make_engine("jax", cfg, None, max_rows=3, chunk_steps=4,
+                                 page_size=4).generate(
+          prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
+          greedy)
+      summary[name].update(continuous_3_slots=out.tokens_NxT.tolist())
     np.savez(os.path.join(outdir, f"{name}.npz"), *map(np.asarray, jax.tree.leaves(params)))
   with open(os.path.join(outdir, "summary.json"), "w") as f:
     json.dump(summary, f)
@@ -234,7 +241,7 @@ def test_sharded_greedy_sampling_matches_one_device(measured, mesh):
   # Fewer slot-steps than 8 per step: the tail ran in fewer slots (not on 8x1, where the
   # slots must stay 8-way split).
   assert (summary[mesh]["tail_slot_steps"] < 0) == (mesh == "2x4")
-  for name in ("greedy", "continuous"):
+  for name in ("greedy", "continuous", "continuous_3_slots"):
     np.testing.assert_array_equal(summary[mesh][name], tokens)
     np.testing.assert_allclose(summary[mesh][name + "_logp"], summary["single"]["greedy_logp"],
                                atol=1e-4)
