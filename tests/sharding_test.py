@@ -131,7 +131,8 @@ def _child(outdir: str) -> None:
                                  page_size=4).generate(
           prompts, 3, jax.device_put(sample_params, param_shardings), jax.random.key(2),
           greedy)
-      summary[name].update(continuous_3_slots=out.tokens_NxT.tolist())
+      summary[name].update(continuous_3_slots=out.tokens_NxT.tolist(),
+                           continuous_3_slots_logp=out.logprobs_NxT.tolist())
     np.savez(os.path.join(outdir, f"{name}.npz"), *map(np.asarray, jax.tree.leaves(params)))
   with open(os.path.join(outdir, "summary.json"), "w") as f:
     json.dump(summary, f)
