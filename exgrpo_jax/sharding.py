@@ -139,7 +139,10 @@ def shardings_of(tree):
 
 
 def batch_shards(mesh) -> int:
-  """How many ways a batch is split: the product of the mesh's batch axes' sizes."""
+  """How many ways a batch is split: the product of the mesh's batch axes' sizes (1
+  without a mesh)."""
+  if mesh is None:
+    return 1
   return math.prod(mesh.shape.get(axis, 1) for axis in dict(LEARNER_RULES)["batch"])
 
 

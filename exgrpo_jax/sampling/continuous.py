@@ -77,7 +77,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   scalars = put((np.float32(sampling.temperature), np.float32(sampling.top_p),
                  np.bool_(sampling.is_greedy), np.asarray(engine.eos_ids, np.int32)))
   options = dict(sampling.program_options(), steps=engine.chunk_steps)
-  shards = 1 if mesh is None else sharding.batch_shards(mesh)
+  shards = sharding.batch_shards(mesh)
   table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, shards)
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(

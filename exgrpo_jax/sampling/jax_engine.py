@@ -195,7 +195,7 @@ class JaxEngine:
     else:
       slots = decode.bucket(rows)  # the static loop's batch for these rows
       slots = slots if self.max_rows is None else min(slots, self.max_rows)
-    shards = 1 if mesh is None else sharding.batch_shards(mesh)
+    shards = sharding.batch_shards(mesh)
     return -(-slots // shards) * shards
 
   def _split(self, counts: np.ndarray) -> list[np.ndarray]:

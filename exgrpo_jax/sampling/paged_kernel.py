@@ -44,7 +44,7 @@ def wanted(cfg, mesh, slots: int) -> bool:
   128 lanes, with the slots split evenly over the mesh's batch axes."""
   platform = (jax.default_backend() if mesh is None
               else mesh.devices.flat[0].platform)
-  shards = 1 if mesh is None else sharding.batch_shards(mesh)
+  shards = sharding.batch_shards(mesh)
   return platform == "tpu" and cfg.head_dim % 128 == 0 and slots % shards == 0
 
 
