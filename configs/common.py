@@ -20,12 +20,16 @@ import ml_collections
 
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import rgym
+from exgrpo_jax.training import padding
 
 # name -> (overrides "section.key": value, what the variant is).
 VARIANTS = {
     "exgrpo": ({}, "the default ExGRPO run"),
     "onpolicy": ({"algo.rho": 0.0, "algo.loss": "grpo", "algo.clip_after_delayed_start": True},
                  "rho = 0: the on-policy Dr.GRPO baseline (no buffer, nothing retired)"),
+    "noreplay": ({"algo.rho": 0.0},
+                 "rho = 0 with ExGRPO's loss: nothing replayed, but solved questions "
+                 "retire and fresh tokens lose their clip after the delayed start"),
     "no_qsel": ({"replay.weighting": "uniform"}, "uniform bucket weights (no question "
                                                  "selection)"),
     "no_tsel": ({"algo.trajectory_selection": "random"},
@@ -170,6 +174,10 @@ def base_config() -> ml_collections.ConfigDict:
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
       packing=True,           # learner/scoring pack responses into rows (False: one per row)
+      # The learner's rows hold the batch's longest prompt rounded up to a multiple of
+      # max(this, the next power of two / 8) (training/padding.py): finer buckets pad
+      # short prompts less and compile the learner a few more times.
+      prompt_bucket=padding.PROMPT_BUCKET,
       export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
       loggers="jsonl,tensorboard",  # comma-separated: jsonl | tensorboard | wandb
       compile_cache=True,     # JAX's persistent compilation cache (exgrpo_jax.compile_cache)

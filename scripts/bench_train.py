@@ -25,9 +25,19 @@ on stderr and recorded in the JSON:
 
   python scripts/bench_train.py --config=configs/smollm2_study.py --variants=exgrpo \
       --schedulers=static,continuous --config.rollout.max_rows=4
+
+With `--baseline=key=value,...` every run also runs as `<run>/baseline`, the config with
+those overrides (e.g. the settings before a change), interleaved with it, and the JSON
+adds `<run>/over_baseline`, the ratios of median step and learner times. Every run
+reports the learner's FLOP roofline: the FLOPs of the forward and backward passes over
+the real (unpadded) prompt + response tokens of each step, plus the LM head over the
+response tokens, at the float32 matmul rate measured in this process on the model's
+MLP shape (`learner_roofline_s`, and `update_actor_over_roofline`).
 """
 
+import ast
 import copy
+import functools
 import json
 import os
 import sys
@@ -37,6 +47,8 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
+import jax
+import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
@@ -53,6 +65,8 @@ _SCHEDULERS = flags.DEFINE_list("schedulers", [], "Rollout schedulers to run eac
                                 "under (default: the config's).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Measured steps per variant.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Unmeasured steps per variant (compile).")
+_BASELINE = flags.DEFINE_list("baseline", [], "key=value config overrides: also run every "
+                              "variant with them, as <run>/baseline.")
 
 PHASES = ("select", "gen", "reward", "buffer", "old_logprobs", "update_actor", "step")
 
@@ -69,6 +83,67 @@ def _without_compile(metrics, compile_s: float):
   return {**metrics, "sampler_compile_s": compile_s,
           "timing_s/gen": gen - compile_s, "timing_s/step": metrics["timing_s/step"] - compile_s,
           "timing_s/tokens_per_s": metrics["timing_s/tokens_per_s"] * gen / (gen - compile_s)}
+
+
+def _overrides(items: list[str], config) -> dict:
+  """{dotted key: value} from `--baseline`'s key=value items, typed as the config's."""
+  out = {}
+  for item in items:
+    key, sep, text = item.partition("=")
+    try:
+      current = functools.reduce(lambda node, part: node[part], key.split("."), config)
+    except (KeyError, AttributeError, TypeError):
+      raise app.UsageError(f"--baseline: {key!r} is not a config key") from None
+    if not sep:
+      raise app.UsageError(f"--baseline: {item!r} is not key=value")
+    try:
+      value = type(current)(ast.literal_eval(text)) if not isinstance(current, str) else text
+    except (ValueError, SyntaxError):
+      raise app.UsageError(f"--baseline: {key}={text!r} is not a {type(current).__name__}") from None
+    out[key] = value
+  return out
+
+
+def _set(config, key: str, value) -> None:
+  *sections, name = key.split(".")
+  functools.reduce(lambda node, part: node[part], sections, config)[name] = value
+
+
+def _matmul_flops_per_s(model_cfg, tokens: int = 1024) -> float:
+  """The float32 matmul rate on this machine: [tokens, D] x [D, F], median of 5 timed
+  calls after a warm-up."""
+  x = jnp.ones((tokens, model_cfg.hidden_size), jnp.float32)
+  w = jnp.ones((model_cfg.hidden_size, model_cfg.intermediate_size), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  f(x, w).block_until_ready()
+  times = []
+  for _ in range(5):
+    t = time.perf_counter()
+    f(x, w).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * x.size * w.shape[1] / float(np.median(times))
+
+
+def _learner_flops(params, groups) -> float:
+  """Forward + backward FLOPs (3x the forward's 2 per parameter per token) of the
+  learner over the groups' real tokens: every layer over prompt + response, the LM head
+  (tied or not: D x V) over the response tokens the loss scores. Attention's score
+  matmuls are left out (under 2% at these lengths)."""
+  layers = sum(x.size for x in jax.tree.leaves(params["layers"]))
+  head = params["embed"].size
+  tokens = [(len(g.prompt_ids), len(r.tokens)) for g in groups for r in g.responses]
+  return 6.0 * sum(layers * (p + r) + head * r for p, r in tokens)
+
+
+def _recording_update(trainer, flops: list) -> None:
+  """Makes `trainer.actor.update` record each step's learner FLOPs in `flops`."""
+  update = trainer.actor.update
+
+  @functools.wraps(update)
+  def recorded(params, opt_state, groups, *args):
+    flops.append(_learner_flops(params, groups))
+    return update(params, opt_state, groups, *args)
+  trainer.actor.update = recorded
 
 
 def main(argv):
@@ -92,21 +167,30 @@ def main(argv):
           f"where both schedulers run the static loop; using max_rows={max_rows}, a quarter "
           f"of the {rows} rows a step rolls out (set --config.rollout.max_rows to choose)",
           file=sys.stderr, flush=True)
+  baseline = _overrides(_BASELINE.value, _CONFIG.value)
   total = _WARMUP.value + _STEPS.value
-  runs = [(v, s) for v in _VARIANTS.value for s in _SCHEDULERS.value or [None]]
-  name = lambda variant, scheduler: variant if scheduler is None else f"{variant}/{scheduler}"
-  trainers, rows = {}, {name(*run): [] for run in runs}
+  runs = [(v, s, b) for v in _VARIANTS.value for s in _SCHEDULERS.value or [None]
+          for b in ((False, True) if baseline else (False,))]
+
+  def name(variant, scheduler, is_baseline):
+    parts = [variant] + ([scheduler] if scheduler else []) + (["baseline"] if is_baseline else [])
+    return "/".join(parts)
+  trainers, rows, flops = {}, {name(*run): [] for run in runs}, {}
   with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
-    for variant, scheduler in runs:
+    for variant, scheduler, is_baseline in runs:
       config = common.apply_variant(copy.deepcopy(_CONFIG.value), variant)
       if scheduler is not None:
         config.rollout.scheduler = scheduler
         config.rollout.max_rows = max_rows
+      for key, value in (baseline.items() if is_baseline else ()):
+        _set(config, key, value)
       config.train.steps = total
       config.train.checkpoint_every = total + 1
       config.eval.every = 0
-      run = name(variant, scheduler)
+      run = name(variant, scheduler, is_baseline)
       trainers[run] = trainer_lib.Trainer(config, os.path.join(tmp, run.replace("/", "_")))
+      flops[run] = []
+      _recording_update(trainers[run], flops[run])
     for step in range(1, total + 1):
       for run, trainer in trainers.items():
         t, compile_s = time.time(), _sampler_compile_s(trainer)
@@ -115,7 +199,8 @@ def main(argv):
               f"(replayed {metrics['experience/batch_size']}; sampler compile "
               f"{metrics['sampler_compile_s']:.1f} s)", file=sys.stderr, flush=True)
         if step > _WARMUP.value:
-          rows[run].append(metrics)
+          rows[run].append(dict(metrics, learner_flops=flops[run][-1]))
+    rate = _matmul_flops_per_s(next(iter(trainers.values())).state.model_cfg)
     for trainer in trainers.values():
       trainer.close()
 
@@ -123,12 +208,17 @@ def main(argv):
             "train_path": _CONFIG.value.data.train_path,
             "batch_questions": _CONFIG.value.train.batch_questions,
             "k": _CONFIG.value.rollout.k, "max_new_tokens": _CONFIG.value.rollout.max_new_tokens,
-            "max_rows": max_rows,
+            "max_rows": max_rows, "baseline": baseline,
             "warmup_steps": _WARMUP.value, "measured_steps": _STEPS.value,
-            "timing": "median seconds per step after warm-up (compile excluded)"}
+            "timing": "median seconds per step after warm-up (compile excluded)",
+            "matmul_gflops_per_s": rate / 1e9}
   for run, metrics in rows.items():
+    roofline_s = float(np.median([m["learner_flops"] for m in metrics])) / rate
     result[run] = {
         **{p: float(np.median([m[f"timing_s/{p}"] for m in metrics])) for p in PHASES},
+        "learner_roofline_s": roofline_s,
+        "update_actor_over_roofline": float(np.median(
+            [m["timing_s/update_actor"] for m in metrics])) / roofline_s,
         "replayed_questions_per_step": [int(m["experience/batch_size"]) for m in metrics],
         "generated_tokens_per_s": float(np.median([m["timing_s/tokens_per_s"]
                                                    for m in metrics])),
@@ -140,6 +230,9 @@ def main(argv):
     for variant in _VARIANTS.value:
       result[f"{variant}/continuous_over_static"] = (result[f"{variant}/continuous"]["step"]
                                                      / result[f"{variant}/static"]["step"])
+  for run in [r for r in rows if not r.endswith("/baseline")] if baseline else ():
+    new, old = result[run], result[f"{run}/baseline"]
+    result[f"{run}/over_baseline"] = {p: new[p] / old[p] for p in ("step", "update_actor")}
   print(json.dumps(result, indent=1))
 
 

@@ -84,7 +84,7 @@ def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
   params, opt_state = learner.abstract_state(cfg, learner.make_optimizer(config.optim), mesh)
   rows = config.train.batch_questions * config.rollout.k
   R = config.rollout.max_new_tokens
-  T = padding.prompt_bucket(config.data.max_prompt_tokens) + R
+  T = padding.prompt_bucket(config.data.max_prompt_tokens, config.train.prompt_bucket) + R
   micro = config.optim.micro_batch_size
   per_mini = -(-rows // config.optim.mini_batches)  # as the actor splits a step
   num_micro = -(-per_mini // micro)

@@ -33,6 +33,7 @@ class Actor:
     self.chunk = config.train.logprob_chunk
     self.trajectory_selection = config.algo.trajectory_selection
     self.pack = config.train.packing
+    self.prompt_bucket = config.train.prompt_bucket
     self.rollout_temperature = phase.rollout_logp_temperature(config.rollout)
     self.measures_mismatch = phase.recompute_old_logps(config)
 
@@ -44,7 +45,7 @@ class Actor:
         rule=self.trajectory_selection, max_new_tokens=self.max_new_tokens,
         batch_size=self.micro_batch_size, pad_id=self.pad_id, chunk=self.chunk, rng=rng,
         need_current_logp=not self.algo.is_correction, pack=self.pack,
-        rollout_temperature=self.rollout_temperature)
+        rollout_temperature=self.rollout_temperature, prompt_bucket=self.prompt_bucket)
 
   def score(self, params, rows) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Log-probs of each (prompt ids, response tokens) row's tokens at temperature 1,
@@ -53,7 +54,7 @@ class Actor:
         [(p, r, None) for p, r in rows], cfg=self.model_cfg, params=params,
         max_new_tokens=self.max_new_tokens, batch_size=self.micro_batch_size,
         pad_id=self.pad_id, chunk=self.chunk, pack=self.pack,
-        rollout_temperature=self.rollout_temperature)
+        rollout_temperature=self.rollout_temperature, prompt_bucket=self.prompt_bucket)
     lengths = scores.mask_SxR.sum(axis=1)
     logp = [lp[:n] for lp, n in zip(scores.logp_SxR, lengths)]
     if scores.rollout_logp_SxR is None:
@@ -70,7 +71,8 @@ class Actor:
                                   r.rollout_log_ratio)
                  for g in groups for r, adv in zip(g.responses, g.advantages)]
     order = rng.permutation(len(responses))
-    prompt_len = padding.prompt_bucket(max(len(r.prompt) for r in responses))
+    prompt_len = padding.prompt_bucket(max(len(r.prompt) for r in responses),
+                                       self.prompt_bucket)
     micro = self.micro_batch_size
     per_mini = -(-len(responses) // self.mini_batches)
     metrics, parts = [], np.array_split(order, self.mini_batches)

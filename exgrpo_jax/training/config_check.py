@@ -175,7 +175,7 @@ def check(c) -> None:
 
   t = c.train
   for key in ("steps", "batch_questions", "log_every", "checkpoint_every",
-              "keep_checkpoints", "logprob_chunk"):
+              "keep_checkpoints", "logprob_chunk", "prompt_bucket"):
     _range(c, f"train.{key}", 1)
   responses = t.batch_questions * r.k
   _require(responses >= o.mini_batches, "optim.mini_batches", o.mini_batches,

@@ -44,8 +44,8 @@ class Replay:
 def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: str,
                    max_new_tokens: int, batch_size: int, pad_id: int, chunk: int,
                    rng: np.random.Generator, need_current_logp: bool = False,
-                   pack: bool = True, rollout_temperature: float | None = None
-                   ) -> list[Replay]:
+                   pack: bool = True, rollout_temperature: float | None = None,
+                   prompt_bucket: int = padding.PROMPT_BUCKET) -> list[Replay]:
   """Scores the candidates of each question and picks one per question by `rule`.
 
   `need_current_logp` scores every chosen trajectory (the no-IS ablation uses its
@@ -67,7 +67,7 @@ def choose_replays(buffer, question_ids, prompt_ids_of, *, cfg, params, rule: st
     scores = score_rows(
         [rows[i] for i in scored], cfg=cfg, params=params, max_new_tokens=max_new_tokens,
         batch_size=batch_size, pad_id=pad_id, chunk=chunk, pack=pack,
-        rollout_temperature=rollout_temperature)
+        rollout_temperature=rollout_temperature, prompt_bucket=prompt_bucket)
   position = {row: j for j, row in enumerate(scored)}
   choose = selection.SELECTIONS.get(rule)
   replays = []
@@ -90,16 +90,19 @@ def _batch_size_for(remaining: int, batch_size: int) -> int:
 
 
 def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk, pack=True,
-               rollout_temperature: float | None = None) -> Scores:
+               rollout_temperature: float | None = None,
+               prompt_bucket: int = padding.PROMPT_BUCKET) -> Scores:
   """Log-probs, entropies and masks [S, R] of (prompt, response, _) rows, and with
   `rollout_temperature` their log-probs at it too, from the same forward pass.
 
   The sequences are packed (`packing`; one per row with pack=False) into rows scored
-  `batch_size` at a time.
+  `batch_size` at a time; the prompt budget is the longest prompt bucketed
+  (`padding.prompt_bucket` at least `prompt_bucket`).
   """
   prompts, responses = [p for p, _, _ in rows], [r for _, r, _ in rows]
   layout = packing.place([len(p) for p in prompts], [len(r) for r in responses],
-                         padding.prompt_bucket(max(map(len, prompts))), max_new_tokens,
+                         padding.prompt_bucket(max(map(len, prompts)), prompt_bucket),
+                         max_new_tokens,
                          pack)
   # Room for the last batch, which rounds up to a power of two.
   packed = packing.rows(layout, prompts, responses, layout.num_rows + batch_size, pad_id)
