@@ -63,6 +63,20 @@ class ScriptedEngine:
                             st.pad_id)
 
 
+class SolvesReplaysEngine(ScriptedEngine):
+  """ScriptedEngine, but every fresh row of a replay group (the calls asking K-1 rows of
+  a question) is correct, so each replay group is solved K/K."""
+
+  def generate(self, prompt_ids, n, params, key, sampling):
+    out = super().generate(prompt_ids, n, params, key, sampling)
+    answers = {tuple(p.ids): p.question.ground_truth for p in self.state.prompts}
+    counts = [n] * len(prompt_ids) if isinstance(n, int) else list(n)
+    for row, question in enumerate(out.prompt_index_N):
+      if counts[question] < max(counts):
+        out.texts[row] = f"the answer is \\boxed{{{answers[tuple(prompt_ids[question])]}}}."
+    return out
+
+
 class MismatchedEngine(ScriptedEngine):
   """Reports the learner's log-probs minus DELTAS (cycled over each response's tokens),
   as an engine with other kernels might: log pi_old - log pi_rollout is DELTAS."""
@@ -177,6 +191,26 @@ def test_onpolicy_never_replays_stores_or_retires(tmp_path):
   assert trainer.state.buffer.stats()["trajectories"] == 0
   assert not trainer.state.buffer.retired
   assert not trainer.state.stream.state_dict()["retired"]
+
+
+def test_noreplay_retires_and_stores_but_never_replays(tmp_path):
+  # ExGRPO's loss at rho = 0: the buffer is kept (the batch's first question is solved
+  # 4/4 and retires; the rest are stored) and fresh tokens lose their clip after the
+  # delayed start, but nothing is replayed.
+  trainer, rows = run(tmp_path, steps=2, variant="noreplay")
+  assert all(r["experience/batch_size"] == 0 and r["actor/off_tokens"] == 0 for r in rows)
+  assert trainer.state.buffer.stats()["trajectories"] > 0
+  retired = set(trainer.state.buffer.retired)
+  assert retired and retired <= set(trainer.state.stream.state_dict()["retired"])
+  assert all(r["experience/replay_solve_all"] == 0 for r in rows)
+
+
+def test_replay_solve_all_is_the_share_of_replay_groups_solved_k_of_k(tmp_path):
+  _, rows = run(tmp_path / "solved", steps=3, engine=SolvesReplaysEngine())
+  assert [r["experience/replay_solve_all"] for r in rows] == [0.0, 1.0, 1.0]
+  # The plain script answers a replayed question's fresh rows alternately.
+  _, rows = run(tmp_path / "mixed", steps=3)
+  assert [r["experience/replay_solve_all"] for r in rows] == [0.0, 0.0, 0.0]
 
 
 COMPARED = ("batch/solved", "batch/replay_started", "actor/pg_loss", "actor/off_pg_loss",

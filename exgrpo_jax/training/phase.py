@@ -19,6 +19,14 @@ def replay_started(started: bool, accuracy: float, threshold: float) -> bool:
   return started or accuracy > threshold
 
 
+def keeps_buffer(algo) -> bool:
+  """Whether a run keeps the experience buffer (step 7): every run but the on-policy
+  baseline (rho = 0 with the `grpo` loss). ExGRPO at rho = 0 still retires questions
+  solved K/K and stores partially solved ones it never replays (the `noreplay` variant:
+  experience management and the mixed phase's unclipped fresh tokens without replay)."""
+  return algo.rho > 0 or algo.loss != "grpo"
+
+
 def num_replayed(started: bool, rho: float, batch_questions: int,
                  num_candidates: int) -> int:
   """Step 1: n_exp = min(floor(rho B), |candidates|) after the start, else 0."""

@@ -193,11 +193,12 @@ class Trainer:
   def remember(self, groups, step: int) -> dict:
     """Step 7: retire K/K questions; after the delayed start, bucket and store 1..K-1.
 
-    The on-policy baseline (rho = 0) never replays, so it neither stores nor retires:
-    every question stays in the fresh stream, as in plain Dr.GRPO.
+    The on-policy baseline (rho = 0, `grpo` loss: `phase.keeps_buffer`) never replays,
+    so it neither stores nor retires: every question stays in the fresh stream, as in
+    plain Dr.GRPO.
     """
     cfg, st = self.config, self.state
-    if cfg.algo.rho == 0:
+    if not phase.keeps_buffer(cfg.algo):
       return dict(retired=0, stored=0, duplicates=0, evicted=0)
     rewards_QxK = groups_lib.rewards_QxK(groups)
     buckets_Q = (buckets.std_buckets(rewards_QxK) if cfg.replay.bucketing == "reward_std"
@@ -234,6 +235,7 @@ class Trainer:
     lengths = np.array([len(r.tokens) for r in fresh])
     replayed = [g.replay_candidates for g in groups if g.is_replay]
     correct_QxK = rewards_QxK >= self.config.reward.correct_threshold
+    replay_Q = np.array([g.is_replay for g in groups])
     metrics = {
         "batch/solved": float(rewards_QxK.mean()),
         # Without the replayed members, which are correct by construction.
@@ -243,6 +245,10 @@ class Trainer:
         "batch/replay_started": float(st.replay_started),
         "experience/batch_size": len(replayed),
         "experience/picked_candidates_mean": np.mean(replayed) if replayed else 0.0,
+        # Replay groups solved K/K: zero advantage, so their replayed member teaches
+        # nothing (0 when none was replayed).
+        "experience/replay_solve_all": (float(correct_QxK[replay_Q].all(1).mean())
+                                        if replay_Q.any() else 0.0),
         "experience/newly_retired": summary["retired"],
         "experience/stored": summary["stored"],
         "response_length/mean": float(lengths.mean()),

@@ -1,0 +1,145 @@
+"""Evidence v3's driver and report (scripts/study_v3.py, scripts/study_v3_report.py): the
+pre-registered stage, health and verdict rules on synthetic runs, and the run summary on
+a synthetic metrics.jsonl."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+import study_v3  # pylint: disable=g-import-not-at-top,wrong-import-position
+import study_v3_report  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+pytest.importorskip("scipy")
+
+
+def fake_run(out, arm, seed, auc, start=0.2, buffered=8, replayed=1, zero=0.5):
+  """A run summary whose avg@2 is `auc` at every step from 10 (so its AUC is `auc`)."""
+  evals = {str(s): {"avg@2": auc, "greedy": auc} for s in study_v3.EVAL_STEPS}
+  if arm.startswith("onpolicy"):
+    evals["0"] = {"avg@2": start, "greedy": start}
+  run = {"arm": arm, "seed": seed, "commits": ["abc"], "evals": evals,
+         "health": {"buffered_at_10": buffered, "replay_share_11_40": replayed / buffered,
+                    "replay_solve_all": 0.0},
+         "zero_advantage_share": zero,
+         "curves": {name: [0.0] * 40 for name in (
+             "fresh_solved", "entropy", "length", "on_ratio_max", "off_ratio_max",
+             "grad_norm", "buffered", "replayed", "retired", "solve_none", "solve_all",
+             "step_s")}}
+  os.makedirs(study_v3.workdir(out, arm, seed), exist_ok=True)
+  with open(os.path.join(study_v3.workdir(out, arm, seed), "run_summary.json"), "w",
+            encoding="utf-8") as f:
+    json.dump(run, f)
+
+
+def stage1(out, diffs, start=0.2, **exgrpo):
+  for seed, d in zip(study_v3.STAGE_SEEDS[0], diffs):
+    fake_run(out, "onpolicy", seed, 0.4, start=start)
+    fake_run(out, "exgrpo", seed, 0.4 + d, **exgrpo)
+    fake_run(out, "noreplay", seed, 0.4)
+    fake_run(out, "delayed", seed, 0.4)
+
+
+def test_stage_one_runs_every_arm_seed_by_seed(tmp_path):
+  todo, state = study_v3.plan(str(tmp_path), exploratory=False)
+  assert state == "stage 1"
+  assert todo[:5] == [("onpolicy", 1), ("exgrpo", 1), ("noreplay", 1), ("delayed", 1),
+                      ("onpolicy", 2)]
+  assert len(todo) == 16
+  fake_run(str(tmp_path), "onpolicy", 1, 0.4)
+  assert study_v3.plan(str(tmp_path), False)[0][0] == ("exgrpo", 1)
+
+
+def test_a_noisy_stage_one_stops_the_study(tmp_path):
+  stage1(str(tmp_path), [0.3, -0.2, 0.1, -0.1])  # SD 22 points
+  todo, state = study_v3.plan(str(tmp_path), exploratory=True)
+  assert todo == [] and state.startswith("stopped after stage 1: paired AUC SD 22.2")
+  rules = study_v3_report.report(str(tmp_path))["rules"]
+  assert rules["verdict"].startswith("not resolvable at this budget: paired SD 22.2")
+
+
+def test_a_quiet_stage_one_goes_on_to_seeds_5_to_8_then_exploratory(tmp_path):
+  out = str(tmp_path)
+  stage1(out, [0.05, 0.06, 0.04, 0.05])
+  todo, state = study_v3.plan(out, exploratory=False)
+  assert state == "stage 2" and todo == [(arm, s) for s in (5, 6, 7, 8)
+                                         for arm in ("onpolicy", "exgrpo")]
+  for seed in (5, 6, 7, 8):
+    fake_run(out, "onpolicy", seed, 0.4)
+    fake_run(out, "exgrpo", seed, 0.45)
+  assert study_v3.plan(out, exploratory=False) == (
+      [], "done: 8 of 8 ExGRPO runs healthy (pairs exgrpo - onpolicy)")
+  assert study_v3.plan(out, exploratory=True)[0] == [("rho50", s) for s in (1, 2, 3, 4)]
+
+
+def test_unhealthy_replay_reruns_both_arms_at_rho_0125_with_8_questions(tmp_path):
+  out = str(tmp_path)
+  stage1(out, [0.05, 0.06, 0.04, 0.05], buffered=3)  # too few buffered at step 10
+  for seed in (5, 6, 7, 8):
+    fake_run(out, "onpolicy", seed, 0.4)
+    fake_run(out, "exgrpo", seed, 0.45, buffered=3)
+  todo, state = study_v3.plan(out, exploratory=False)
+  assert state == "fallback stage 1 (0 of 8 ExGRPO runs healthy)"
+  assert todo[:2] == [("onpolicy_b8", 1), ("exgrpo_b8", 1)]
+  assert study_v3.ARMS["exgrpo_b8"] == ("exgrpo", {"algo.rho": 0.125,
+                                                   "train.batch_questions": 8})
+
+
+@pytest.mark.parametrize("diff, zero, verdict", [
+    (0.05, 0.3, "support"),            # d > 0, p < 0.05, healthy, fewer zero-adv groups
+    (0.10, 0.6, "inconclusive"),       # the mechanism's figure does not follow
+    (-0.02, 0.3, "no rescue-sized effect"),
+])
+def test_the_verdict_follows_the_written_rules(tmp_path, diff, zero, verdict):
+  out = str(tmp_path)
+  jitter = [0.01, -0.01, 0.005, -0.005, 0.0, 0.01, -0.01, 0.0]
+  stage1(out, [diff + j for j in jitter[:4]], zero=zero)
+  for seed, j in zip((5, 6, 7, 8), jitter[4:]):
+    fake_run(out, "onpolicy", seed, 0.4)
+    fake_run(out, "exgrpo", seed, 0.4 + diff + j, zero=zero)
+  result = study_v3_report.report(out)
+  assert result["rules"]["verdict"].startswith(verdict)
+  assert result["primary"]["n"] == 8
+  np.testing.assert_allclose(result["primary"]["mean"], diff + np.mean(jitter))
+  assert len(result["attribution"]) == 4  # noreplay, delayed x both primary arms
+  assert result["rules"]["manipulation_check"]  # 0.4 against 0.2 at step 0
+
+
+def test_no_arm_learning_is_too_hard(tmp_path):
+  # Every arm ends where the untrained model started (avg@2 0.39 at step 0).
+  stage1(str(tmp_path), [0.0, 0.01, -0.01, 0.0], start=0.39)
+  verdict = study_v3_report.report(str(tmp_path))["rules"]["verdict"]
+  assert verdict.startswith("too hard at this budget")
+
+
+def test_run_summary_reads_evaluations_health_and_curves(tmp_path):
+  wd = str(tmp_path)
+  rows = [{"step": 0, "val/avg_score": 0.2, "val/greedy_score": 0.25}]
+  for step in range(1, 41):
+    row = {"step": step, "batch/solve_all": 0.25, "batch/solve_none": 0.5,
+           "batch/fresh_solved": 0.1, "experience/questions": step,
+           "experience/batch_size": 1 if step > 1 else 0,
+           "experience/replay_solve_all": 1.0 if step % 2 else 0.0}
+    if step % 10 == 0:
+      row.update({"val/avg_score": 0.3, "val/greedy_score": 0.35})
+    rows.append(row)
+  rows.append(dict(rows[5]))  # a resumed run logs step 5 again: counted once
+  with open(os.path.join(wd, "metrics.jsonl"), "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  with open(os.path.join(wd, "commits.txt"), "w", encoding="utf-8") as f:
+    f.write("abc\nabc\ndef+dirty\n")
+  run = study_v3.summarize_run(wd, "exgrpo", 3)
+  assert run["commits"] == ["abc", "def+dirty"]
+  assert run["evals"]["0"] == {"avg@2": 0.2, "greedy": 0.25} and len(run["evals"]) == 5
+  assert study_v3.auc(run) == pytest.approx(0.3)
+  assert run["health"]["buffered_at_10"] == 10
+  np.testing.assert_allclose(run["health"]["replay_share_11_40"],
+                             np.mean([1 / s for s in range(11, 41)]))
+  # Steps 2-40 replay; the odd ones (3, 5, ..., 39) solved their replay groups K/K.
+  np.testing.assert_allclose(run["health"]["replay_solve_all"], 19 / 39)
+  assert run["zero_advantage_share"] == 0.75
+  assert len(run["curves"]["entropy"]) == 40
