@@ -1,16 +1,18 @@
 r"""Evidence v3, the pre-registered weak-model study (docs/results.md): run it, resumably.
 
-  python scripts/study_v3.py run [--out runs/study_v3] [--exploratory]
-  python scripts/study_v3.py status [--out runs/study_v3]
+  python scripts/study_v3.py run [--out runs/study_v3] [--summaries DIR] [--exploratory]
+  python scripts/study_v3.py status [--summaries DIR]
 
 `run` trains the protocol's runs one after another (configs/smollm2_study_v3.py, one
 workdir `<out>/<arm>_s<seed>` each, its console in `train.log` there), and decides the
 next stage by the rules below from the runs' own metrics. Stop it at any time (Ctrl-C,
 SIGTERM) and run it again: a finished run is skipped, an unfinished one resumes from its
 checkpoint, a crashed one is retried (never dropped or replaced). Once a run has
-finished, its figures go to `run_summary.json` in its workdir and its checkpoints are
-deleted (1.4 GB each). `status` prints what is done and what comes next. The analysis
-(tables, verdict, figures) is `scripts/study_v3_report.py`.
+finished, its figures go to `<summaries>/<arm>_s<seed>.json` (default
+docs/results/study_v3_runs, a few KB each, committed so that the study's state outlives
+the machine it ran on) and its checkpoints are deleted (1.4 GB each). `status` prints
+what is done and what comes next. The analysis (tables, verdict, figures) is
+`scripts/study_v3_report.py`.
 
 Protocol, fixed before the first run:
   Arms: `onpolicy` (Dr.GRPO) and `exgrpo` (rho 0.25) on every seed; on seeds 1-4 also
@@ -41,6 +43,7 @@ sys.path.insert(0, ROOT)
 from exgrpo_jax.training import run_log  # pylint: disable=wrong-import-position
 
 CONFIG = "configs/smollm2_study_v3.py"
+SUMMARIES = "docs/results/study_v3_runs"
 # arm: (variant, overrides)
 ARMS = {
     "onpolicy": ("onpolicy", {}),
@@ -67,8 +70,8 @@ def workdir(out: str, arm: str, seed: int) -> str:
   return os.path.join(out, f"{arm}_s{seed}")
 
 
-def summary(out: str, arm: str, seed: int) -> dict | None:
-  path = os.path.join(workdir(out, arm, seed), "run_summary.json")
+def summary(summaries: str, arm: str, seed: int) -> dict | None:
+  path = os.path.join(summaries, f"{arm}_s{seed}.json")
   if not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
@@ -98,6 +101,8 @@ def summarize_run(wd: str, arm: str, seed: int) -> dict:
   with open(os.path.join(wd, "commits.txt"), encoding="utf-8") as f:
     commits = sorted(set(f.read().split()))
   return {
+      # For reading by hand: answers right only by a "last number" accident.
+      "correct_at_40": _correct_samples(wd, step=max(EVAL_STEPS)),
       "arm": arm, "seed": seed, "commits": commits, "evals": evals,
       "health": {
           "buffered_at_10": int(rows[10].get("experience/questions", 0)),
@@ -118,46 +123,59 @@ def summarize_run(wd: str, arm: str, seed: int) -> dict:
   }
 
 
-def paired_sd(out: str, arms, seeds) -> float | None:
+def _correct_samples(wd: str, step: int, limit: int = 50) -> list[dict]:
+  """The first `limit` held-out completions graded correct at `step` (eval_samples.jsonl)."""
+  path = os.path.join(wd, "eval_samples.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  correct = {(r["problem"], r["response"]): r for r in rows
+             if r["step"] == step and r["reward"] > 0}  # a resumed evaluation counts once
+  return [{k: r[k] for k in ("problem", "ground_truth", "response")}
+          for r in list(correct.values())[:limit]]
+
+
+def paired_sd(summaries: str, arms, seeds) -> float | None:
   """SD of the paired AUC differences, None until every pair has finished."""
-  runs = [(summary(out, arms[0], s), summary(out, arms[1], s)) for s in seeds]
+  runs = [(summary(summaries, arms[0], s), summary(summaries, arms[1], s)) for s in seeds]
   if any(a is None or b is None for a, b in runs):
     return None
   return float(np.std([auc(a) - auc(b) for a, b in runs], ddof=1))
 
 
-def plan(out: str, exploratory: bool) -> tuple[list, str]:
+def plan(summaries: str, exploratory: bool) -> tuple[list, str]:
   """The (arm, seed) runs the rules call for now, in order, and the stage's state."""
   stage1 = [(arm, s) for s in STAGE_SEEDS[0] for arm in (*PRIMARY[::-1], *ATTRIBUTION)]
-  todo = [r for r in stage1 if summary(out, *r) is None]
+  todo = [r for r in stage1 if summary(summaries, *r) is None]
   if todo:
     return todo, "stage 1"
-  sd = paired_sd(out, PRIMARY, STAGE_SEEDS[0])
+  sd = paired_sd(summaries, PRIMARY, STAGE_SEEDS[0])
   if sd > MAX_SD:
     return [], f"stopped after stage 1: paired AUC SD {100 * sd:.1f} > {100 * MAX_SD:.0f} points"
   pairs = PRIMARY
   stage2 = [(arm, s) for s in STAGE_SEEDS[1] for arm in PRIMARY[::-1]]
-  todo = [r for r in stage2 if summary(out, *r) is None]
+  todo = [r for r in stage2 if summary(summaries, *r) is None]
   if todo:
     return todo, "stage 2"
   seeds = STAGE_SEEDS[0] + STAGE_SEEDS[1]
-  passing = sum(healthy(summary(out, "exgrpo", s)) for s in seeds)
+  passing = sum(healthy(summary(summaries, "exgrpo", s)) for s in seeds)
   state = f"done: {passing} of 8 ExGRPO runs healthy"
   if passing < MIN_HEALTHY:
     pairs = FALLBACK
     todo = [(arm, s) for s in STAGE_SEEDS[0] for arm in FALLBACK[::-1]]
-    todo = [r for r in todo if summary(out, *r) is None]
+    todo = [r for r in todo if summary(summaries, *r) is None]
     if todo:
       return todo, f"fallback stage 1 ({passing} of 8 ExGRPO runs healthy)"
-    sd = paired_sd(out, FALLBACK, STAGE_SEEDS[0])
+    sd = paired_sd(summaries, FALLBACK, STAGE_SEEDS[0])
     if sd <= MAX_SD:
       todo = [(arm, s) for s in STAGE_SEEDS[1] for arm in FALLBACK[::-1]]
-      todo = [r for r in todo if summary(out, *r) is None]
+      todo = [r for r in todo if summary(summaries, *r) is None]
       if todo:
         return todo, "fallback stage 2"
     state = "fallback done"
   if exploratory:
-    todo = [("rho50", s) for s in STAGE_SEEDS[0] if summary(out, "rho50", s) is None]
+    todo = [("rho50", s) for s in STAGE_SEEDS[0] if summary(summaries, "rho50", s) is None]
     if todo:
       return todo, "exploratory rho50"
   return [], f"{state} (pairs {pairs[0]} - {pairs[1]})"
@@ -189,8 +207,9 @@ def train(out: str, arm: str, seed: int, python: str) -> int:
 
 
 def run(args) -> None:
+  os.makedirs(args.summaries, exist_ok=True)
   while True:
-    todo, state = plan(args.out, args.exploratory)
+    todo, state = plan(args.summaries, args.exploratory)
     print(f"[study_v3] {state}: {len(todo)} run(s) to go", flush=True)
     if not todo:
       return
@@ -207,15 +226,16 @@ def run(args) -> None:
     else:
       sys.exit(f"[study_v3] {arm} seed {seed} failed {RETRIES + 1} times (exit {status}); "
                f"see {wd}/train.log")
-    with open(os.path.join(wd, "run_summary.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(args.summaries, f"{arm}_s{seed}.json"), "w",
+              encoding="utf-8") as f:
       json.dump(summarize_run(wd, arm, seed), f, indent=1)
     shutil.rmtree(os.path.join(wd, "checkpoints"), ignore_errors=True)
 
 
 def status(args) -> None:
-  done = sorted(os.path.basename(os.path.dirname(p)) for p in
-                glob.glob(os.path.join(args.out, "*", "run_summary.json")))
-  todo, state = plan(args.out, args.exploratory)
+  done = sorted(os.path.basename(p)[:-len(".json")] for p in
+                glob.glob(os.path.join(args.summaries, "*_s*.json")))
+  todo, state = plan(args.summaries, args.exploratory)
   print(f"finished ({len(done)}): {' '.join(done) or '-'}")
   print(f"{state}; next: {' '.join(f'{a}_s{s}' for a, s in todo) or '-'}")
 
@@ -223,12 +243,14 @@ def status(args) -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("command", choices=("run", "status"))
-  parser.add_argument("--out", default="runs/study_v3")
+  parser.add_argument("--out", default="runs/study_v3", help="the runs' workdirs")
+  parser.add_argument("--summaries", default=SUMMARIES,
+                      help="finished runs' figures, one JSON each")
   parser.add_argument("--exploratory", action="store_true",
                       help="also rho50 on seeds 1-4, after everything else")
   parser.add_argument("--python", default=sys.executable)
   args = parser.parse_args()
-  args.out = os.path.abspath(args.out)
+  args.out, args.summaries = os.path.abspath(args.out), os.path.abspath(args.summaries)
   (run if args.command == "run" else status)(args)
 
 

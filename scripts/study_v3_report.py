@@ -1,9 +1,10 @@
 r"""Evidence v3's analysis under its pre-registered rules (docs/results.md): JSON and figures.
 
-  python scripts/study_v3_report.py [--out runs/study_v3] [--json docs/results/study_v3.json]
-      [--plots docs/results]
+  python scripts/study_v3_report.py [--summaries docs/results/study_v3_runs]
+      [--json docs/results/study_v3.json] [--plots docs/results]
 
-Reads every finished run's `run_summary.json` (scripts/study_v3.py writes them) and
+Reads every finished run's summary (`<arm>_s<seed>.json`, scripts/study_v3.py writes
+them) and
 writes, for every run, its arm, seed, commit, held-out avg@2 and greedy accuracy at each
 evaluation step, AUC (mean avg@2 over steps 10-40) and health figures; the paired
 comparisons (mean, SD, 95% t interval, two-sided t-test and Wilcoxon p-values, seeds
@@ -34,10 +35,10 @@ RESCUE = 0.09      # "no rescue-sized effect" when the upper 95% bound is below 
 MANIPULATION = 0.03  # some arm's AUC gain over step 0
 
 
-def load(out: str) -> dict:
+def load(summaries: str) -> dict:
   """{arm: {seed: run summary}}; the step-0 evaluation from the seed's on-policy run."""
   runs = {}
-  for path in sorted(glob.glob(os.path.join(out, "*", "run_summary.json"))):
+  for path in sorted(glob.glob(os.path.join(summaries, "*_s*.json"))):
     with open(path, encoding="utf-8") as f:
       run = json.load(f)
     runs.setdefault(run["arm"], {})[run["seed"]] = run
@@ -103,8 +104,8 @@ def verdict(runs: dict, primary: dict | None, pairs: tuple) -> dict:
   return out
 
 
-def report(out: str) -> dict:
-  runs = load(out)
+def report(summaries: str) -> dict:
+  runs = load(summaries)
   fallback = bool(runs.get(study_v3.FALLBACK[0]))
   pairs = study_v3.FALLBACK if fallback else study_v3.PRIMARY
   primary = paired(runs, *pairs)
@@ -174,13 +175,13 @@ def _save(fig, axes, plots: str, name: str, legend: bool = True) -> str:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", default="runs/study_v3")
+  parser.add_argument("--summaries", default=study_v3.SUMMARIES)
   parser.add_argument("--json", default="docs/results/study_v3.json")
   parser.add_argument("--plots", default="docs/results")
   args = parser.parse_args()
-  result = report(args.out)
+  result = report(args.summaries)
   if not result["_runs"]:
-    sys.exit(f"{args.out}: no finished runs (<arm>_s<seed>/run_summary.json)")
+    sys.exit(f"{args.summaries}: no finished runs (<arm>_s<seed>.json)")
   public = {k: v for k, v in result.items() if not k.startswith("_")}
   with open(args.json, "w", encoding="utf-8") as f:
     json.dump(public, f, indent=1)

@@ -30,9 +30,7 @@ def fake_run(out, arm, seed, auc, start=0.2, buffered=8, replayed=1, zero=0.5):
              "fresh_solved", "entropy", "length", "on_ratio_max", "off_ratio_max",
              "grad_norm", "buffered", "replayed", "retired", "solve_none", "solve_all",
              "step_s")}}
-  os.makedirs(study_v3.workdir(out, arm, seed), exist_ok=True)
-  with open(os.path.join(study_v3.workdir(out, arm, seed), "run_summary.json"), "w",
-            encoding="utf-8") as f:
+  with open(os.path.join(out, f"{arm}_s{seed}.json"), "w", encoding="utf-8") as f:
     json.dump(run, f)
 
 
@@ -132,6 +130,11 @@ def test_run_summary_reads_evaluations_health_and_curves(tmp_path):
     f.writelines(json.dumps(r) + "\n" for r in rows)
   with open(os.path.join(wd, "commits.txt"), "w", encoding="utf-8") as f:
     f.write("abc\nabc\ndef+dirty\n")
+  samples = [{"step": step, "problem": f"What is {i} + 1?", "ground_truth": str(i + 1),
+              "response": f"{i} + 1 = {i + 1}", "reward": float(i % 2)}
+             for step in (30, 40) for i in range(120)]
+  with open(os.path.join(wd, "eval_samples.jsonl"), "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in samples)
   run = study_v3.summarize_run(wd, "exgrpo", 3)
   assert run["commits"] == ["abc", "def+dirty"]
   assert run["evals"]["0"] == {"avg@2": 0.2, "greedy": 0.25} and len(run["evals"]) == 5
@@ -143,3 +146,6 @@ def test_run_summary_reads_evaluations_health_and_curves(tmp_path):
   np.testing.assert_allclose(run["health"]["replay_solve_all"], 19 / 39)
   assert run["zero_advantage_share"] == 0.75
   assert len(run["curves"]["entropy"]) == 40
+  assert len(run["correct_at_40"]) == 50
+  assert run["correct_at_40"][0] == {"problem": "What is 1 + 1?", "ground_truth": "2",
+                                     "response": "1 + 1 = 2"}
