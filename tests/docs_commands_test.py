@@ -232,6 +232,13 @@ COMMANDS = [
             covered="tests/plugins_test.py::"
             "test_training_grades_with_the_doc_plugin_in_worker_processes"),
     # docs/results.md
+    Command("python scripts/study_v3.py run",
+            skip="the study itself: hours of training (its stage and health rules: "
+            "tests/study_v3_test.py)"),
+    Command("python scripts/study_v3.py status",
+            run="{python} scripts/study_v3.py status --summaries {tmp}", expect=r"stage 1"),
+    Command("python scripts/study_v3_report.py",
+            covered="tests/study_v3_test.py::test_the_report_writes_its_json_and_figures"),
     Command("python scripts/summarize_study.py --study runs/study --plots docs/results",
             run="{python} scripts/summarize_study.py --study {study} --plots {tmp}/plots",
             expect=r"exgrpo-onpolicy"),

@@ -4,6 +4,7 @@ a synthetic metrics.jsonl."""
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -149,3 +150,20 @@ def test_run_summary_reads_evaluations_health_and_curves(tmp_path):
   assert len(run["correct_at_40"]) == 50
   assert run["correct_at_40"][0] == {"problem": "What is 1 + 1?", "ground_truth": "2",
                                      "response": "1 + 1 = 2"}
+
+
+def test_the_report_writes_its_json_and_figures(tmp_path):
+  runs, out = tmp_path / "runs", tmp_path / "out"
+  runs.mkdir()
+  stage1(str(runs), [0.05, 0.06, 0.04, 0.05])
+  proc = subprocess.run(
+      [sys.executable, os.path.join(os.path.dirname(study_v3.__file__), "study_v3_report.py"),
+       f"--summaries={runs}", f"--json={tmp_path / 'study_v3.json'}", f"--plots={out}"],
+      capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr
+  with open(tmp_path / "study_v3.json", encoding="utf-8") as f:
+    result = json.load(f)
+  assert result["rules"]["verdict"] == "pending: 4 of 8 pairs"
+  assert len(result["runs"]) == 16 and result["primary"]["n"] == 4
+  assert sorted(os.listdir(out)) == ["study_v3_accuracy.png", "study_v3_dynamics.png",
+                                     "study_v3_paired.png"]
