@@ -94,7 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
       # jax engine: continuous | static. continuous: rows beyond max_rows wait for a free
       # slot, and from 512 new tokens on the tail shrinks to the live rows (the same rows).
       scheduler="continuous",
-      # vllm engine (exgrpo_jax/sampling/vllm_setup.py; BUILD.md, "vLLM rollouts"); its
+      # vllm engine (exgrpo_jax/sampling/vllm_setup.py; docs/vllm.md, "Settings"); its
       # max_model_len is data.max_prompt_tokens + the longest max_new_tokens.
       vllm=ml_collections.ConfigDict(dict(
           gpu_memory_utilization=0.3,  # vLLM's share of each GPU (weights + KV cache)
@@ -240,7 +240,7 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
 
   The model configs take `mesh_shape` and `max_rows` (`rollout.max_rows`, rows per
   generate call) from the compiler's plan for 8 H100s (scripts/aot_plan.py,
-  docs/results/aot_<config>_h100x8.json); BUILD.md ("Memory plan") gives the flags for
+  docs/results/aot_<config>_h100x8.json); docs/aot.md ("Memory plan") gives the flags for
   8 H200s and a TPU v5p-8.
 
   `runlocal` in `arg` shrinks batch and lengths for a quick smoke run of the same model.

@@ -6,7 +6,7 @@
   python -m exgrpo_jax.eval --data arithmetic --reward-module my_rewards --reward last_int
 
 A --data path is relative to the working directory, or, where no such file is there, to
-the data directory that `python -m exgrpo_jax.prepare_data` fills (BUILD.md, "Data").
+the data directory that `python -m exgrpo_jax.prepare_data` fills (docs/data.md, "Data").
 
 PATH is an HF directory, a .gguf file, or an exgrpo_jax training workdir / checkpoint
 step directory; without --model the embedded SmolLM2-135M-Instruct is used. Defaults

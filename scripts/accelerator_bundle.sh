@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What scripts/accelerator_check.py needs on the GPU machine beyond its image, and how it
-# travels there in calls of at most 64 MiB (BUILD.md, "Accelerator check").
+# travels there in calls of at most 64 MiB (docs/accelerator_check.md).
 #
 #   bash scripts/accelerator_bundle.sh prepare   # here (PyPI): .whl/, .accel/part{0,1}/
 #   bash scripts/accelerator_bundle.sh stash     # device call 1: .accel/part0 -> /tmp/accel

@@ -3,7 +3,7 @@ compiler's figures, and writes the report of the chosen settings (JSON).
 
   .aot/gpu/bin/python scripts/aot_plan.py --config=configs/qwen7b.py --target=h100x8 \
       --out=docs/results/aot_qwen7b_h100x8.json
-  python scripts/aot_plan.py --render docs/results/aot_*.json     # BUILD.md's table
+  python scripts/aot_plan.py --render docs/results/aot_*.json     # docs/aot.md's table
 
 For each mesh fsdp x tensor over the target's devices (tensor 1, 2, 4, and 8 where the
 query heads divide), all layers compiled (`exgrpo_jax.aot`):
@@ -19,7 +19,7 @@ The chosen mesh keeps the config's micro-batch where any can, then has the most 
 per call, then the least tensor parallelism (the old analytic plan's rule). Its whole
 training step is compiled once more with those settings: that report is the output,
 with every candidate's figures under "search". GPU targets read
-XLA_PYTHON_CLIENT_MEM_FRACTION (BUILD.md runs them at 0.95). `--like` takes another
+XLA_PYTHON_CLIENT_MEM_FRACTION (docs/aot.md runs them at 0.95). `--like` takes another
 config's choice (the instruct models have their base model's shapes) and compiles it.
 """
 
@@ -221,7 +221,7 @@ def prefill_seconds(report: dict) -> float:
 
 
 def render(paths) -> str:
-  """BUILD.md's tables: per config and target, the chosen settings, the pool's bound on
+  """docs/aot.md's tables: per config and target, the chosen settings, the pool's bound on
   the rows (`pool_bound`) and the compiler's per-device peaks (GiB) of the learner step
   and the largest rollout program, with the
   verdict of each that does not fit below; then the roofline estimate of one training

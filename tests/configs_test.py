@@ -50,7 +50,7 @@ def test_paper_defaults():
                                   "llama8b_instruct"])
 def test_paper_configs_take_the_compilers_plan_for_8_h100s(name):
   """mesh.shape and rollout.max_rows are the settings scripts/aot_plan.py chose for h100x8
-  from the compiler's figures (docs/results/aot_<name>_h100x8.json, BUILD.md)."""
+  from the compiler's figures (docs/results/aot_<name>_h100x8.json, docs/aot.md)."""
   path = os.path.join(os.path.dirname(CONFIG_DIR), "docs", "results", f"aot_{name}_h100x8.json")
   with open(path, encoding="utf-8") as f:
     plan = json.load(f)

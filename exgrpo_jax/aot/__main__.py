@@ -5,7 +5,7 @@ r"""Compiles every program of a config's training step for a TPU slice or GPU no
       [--parts=learner] [--out=aot.json]
 
 Run it in an environment with the target's compiler (`bash scripts/aot_env.sh tpu` or
-`gpu`; BUILD.md, "Ahead-of-time check"). It prints one row per program (compile time,
+`gpu`; docs/aot.md, "Ahead-of-time check"). It prints one row per program (compile time,
 peak memory per device against the usable memory, FLOPs, collectives, a roofline
 estimate), writes the JSON report to --out, and exits 1 naming the first program that
 does not compile or does not fit (0 when all do; 2 on a bad flag or config key).

@@ -5,7 +5,7 @@ of T slots, C = 2K combined heads (key of KV head k at 2k, its value at 2k + 1),
 dim Dh; elsewhere it stays a (k_PxKxDhxT, v_PxKxTxDh) pair for `decode_layer`'s XLA
 attention. XLA:TPU copied that pair into (page, slot, head, dim) order, and back, around
 every decode loop (18 GiB of Llama-3.1-8B's 26.7 GiB of temporaries at 64 rows on a
-v5p-8, BUILD.md "Memory plan"); XLA:GPU updates it in place and would copy this layout
+v5p-8, docs/aot.md "Memory plan"); XLA:GPU updates it in place and would copy this layout
 instead. So the layout follows the platform (`wanted`), as `models.attention` chooses
 its fused kernels from the mesh's.
 

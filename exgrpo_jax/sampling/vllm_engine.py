@@ -74,8 +74,8 @@ def check_available() -> str:
   if importlib.util.find_spec("vllm") is None:
     raise ImportError(
         "rollout engine 'vllm' needs the vllm package, which is not installed (NVIDIA "
-        "GPUs: pip install -e '.[vllm]'; CPUs: vLLM's CPU build, BUILD.md 'vLLM "
-        "rollouts'). Use engine 'jax' instead.")
+        "GPUs: pip install -e '.[vllm]'; CPUs: vLLM's CPU build, docs/install.md 'CPU "
+        "+ vLLM'). Use engine 'jax' instead.")
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:

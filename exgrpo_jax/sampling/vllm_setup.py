@@ -146,7 +146,7 @@ def plan_split(model_cfg: config_lib.ModelConfig, options: VllmOptions, device_b
         f"rollout.vllm.gpu_memory_utilization={u:.2f} asks for {u:.2f} more: "
         f"{jax_fraction + u:.2f} > {MAX_TOTAL_FRACTION}; lower one of them, or set "
         "XLA_PYTHON_CLIENT_ALLOCATOR=platform so the learner uses what vLLM frees while it "
-        "sleeps (BUILD.md, 'vLLM rollouts')")
+        "sleeps (docs/vllm.md, 'Sleep and memory')")
   weights, kv_seq = _weight_and_sequence_bytes(model_cfg, options)
   free = u * device_bytes - weights - WORKING_BYTES
   if free < kv_seq:
@@ -217,7 +217,7 @@ class ProcessLayout:
     if processes == 1 and tp > 1:
       raise ValueError(
           f"rollout.vllm.tensor_parallel_size={tp} needs {tp} JAX processes, one per GPU "
-          "(jax.distributed; BUILD.md, 'vLLM rollouts'); this run has 1")
+          "(jax.distributed; docs/vllm.md, 'Every GPU rolls out'); this run has 1")
     if processes % tp:
       raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} does not divide the "
                        f"{processes} JAX processes")
@@ -225,7 +225,7 @@ class ProcessLayout:
       raise ValueError(
           f"vLLM rollouts over {processes} JAX processes need one GPU per process, but "
           f"process {process} has {local_devices} local devices; start one process per "
-          "GPU (BUILD.md, 'vLLM rollouts')")
+          "GPU (docs/vllm.md, 'Every GPU rolls out')")
     return cls(process, processes, tp)
 
   @property

@@ -75,7 +75,7 @@ def check_context(prompt_lengths, max_new_tokens: int, model_cfg) -> None:
 
 
 # The share of each GPU the configs' meshes and rollout.max_rows were planned for
-# (BUILD.md, "Memory plan"); JAX preallocates 0.75 unless told otherwise.
+# (docs/aot.md, "Memory plan"); JAX preallocates 0.75 unless told otherwise.
 PLANNED_GPU_FRACTION = 0.95
 
 
@@ -86,7 +86,7 @@ def warn_gpu_memory_fraction(engine: str, environ=os.environ) -> str | None:
       or "XLA_PYTHON_CLIENT_MEM_FRACTION" in environ):
     return None
   line = (f"[exgrpo_jax] warning: JAX preallocates 0.75 of each GPU; the configs' mesh and "
-          f"rollout.max_rows are planned for {PLANNED_GPU_FRACTION} (BUILD.md, \"Memory "
+          f"rollout.max_rows are planned for {PLANNED_GPU_FRACTION} (docs/aot.md, \"Memory "
           f"plan\"): set XLA_PYTHON_CLIENT_MEM_FRACTION={PLANNED_GPU_FRACTION} or lower "
           "rollout.max_rows")
   print(line, file=sys.stderr, flush=True)

@@ -83,7 +83,7 @@ class Trainer:
       st.close()
       self._lock.release()
       raise
-    # max_rows bounds the JAX sampler's KV cache (BUILD.md, "Memory plan").
+    # max_rows bounds the JAX sampler's KV cache (docs/aot.md, "Memory plan").
     options = ({"max_rows": config.rollout.max_rows or None,
                 "scheduler": config.rollout.scheduler} if config.rollout.engine == "jax" else
                {"options": vllm_setup.VllmOptions.from_config(config)})
