@@ -36,6 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from exgrpo_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax import config_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
@@ -265,8 +266,33 @@ def render(paths) -> str:
   return "\n".join(lines + ([""] + verdicts if verdicts else []) + [""] + estimates)
 
 
+def _plan_files(parser, patterns: list[str]) -> list[str]:
+  """The files `--render` names; a pattern matching nothing is a bad argument."""
+  paths = []
+  for pattern in patterns:
+    found = sorted(glob.glob(pattern))
+    if not found:
+      parser.error(f"--render {pattern}: no such file")
+    paths += found
+  return paths
+
+
+def _read_plan(parser, flag: str, path: str) -> dict:
+  """A plan JSON file, or one line naming what is wrong with it (exit status 2)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      plan_ = json.load(f)
+  except OSError as e:
+    parser.error(f"{flag} {path}: {e.strerror}")
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    parser.error(f"{flag} {path}: not a JSON file ({e})")
+  if not isinstance(plan_, dict):
+    parser.error(f"{flag} {path}: not a plan (a JSON object written by this script)")
+  return plan_
+
+
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="aot_plan.py", description=__doc__.split("\n")[0])
   parser.add_argument("--config", help="configs/NAME.py")
   parser.add_argument("--target", choices=list(targets.TARGETS))
   parser.add_argument("--out")
@@ -275,20 +301,27 @@ def main(argv=None) -> None:
   parser.add_argument("--render", nargs="+", help="render these plan JSON files")
   args = parser.parse_args(argv)
   if args.render:
-    print(render([p for pattern in args.render for p in glob.glob(pattern)]))
+    paths = _plan_files(parser, args.render)
+    plans = {path: _read_plan(parser, "--render", path) for path in paths}
+    if not any("config" in p for p in plans.values()):
+      parser.error(f"--render: none of {', '.join(paths)} is a plan (no 'config' key)")
+    print(render(paths))
     return
   if not (args.config and args.target and args.out):
     parser.error("give --config, --target and --out (or --render FILES)")
+  # The planner imports configs.NAME: the file must be one of the repository's configs.
+  name = os.path.basename(args.config).removesuffix(".py")
+  if not os.path.isfile(os.path.join(REPO, "configs", f"{name}.py")):
+    parser.error(f"--config={args.config}: no such config in {os.path.join(REPO, 'configs')}")
+  problem = config_cli.config_problem([f"--config={os.path.join(REPO, 'configs', name)}.py"])
+  if problem:
+    parser.error(problem)
+  like = _read_plan(parser, "--like", args.like) if args.like else None
   try:
     cli.check_writable(args.out)  # before minutes of compiles, not after them
   except OSError as e:
     parser.error(str(e))
   targets.prepare_environment()
-  name = os.path.basename(args.config).removesuffix(".py")
-  like = None
-  if args.like:
-    with open(args.like, encoding="utf-8") as f:
-      like = json.load(f)
   result = plan(name, args.target, like)
   from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
   check.save(result, args.out)

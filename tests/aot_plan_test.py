@@ -1,6 +1,9 @@
 """scripts/aot_plan.py's arithmetic: the pool's bound on the rows per call, a decode step's
 bytes, and the rollout search's choice of rows, on made-up compiler figures (no
-compiles)."""
+compiles); its and `python -m exgrpo_jax.aot`'s bad arguments."""
+
+import subprocess
+import sys
 
 import pytest
 
@@ -95,3 +98,38 @@ def test_rollout_search_keeps_a_multiple_of_64_that_is_the_most_and_all_rows():
 
 def test_rollout_search_gives_0_where_64_rows_do_not_fit():
   assert _AffinePlanner(10.0, dict(admit=0.1), dict(admit=9.0)).rollout(1, 1024, 8) == 0
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--render", "{tmp}/notjson.json"],
+     "--render {tmp}/notjson.json: not a JSON file (Expecting value: line 1 column 1 "
+     "(char 0))"),
+    (["--render", "{tmp}/nothing*.json"], "--render {tmp}/nothing*.json: no such file"),
+    (["--render", "{tmp}/list.json"],
+     "--render {tmp}/list.json: not a plan (a JSON object written by this script)"),
+    (["--render", "{tmp}/other.json"],
+     "--render: none of {tmp}/other.json is a plan (no 'config' key)"),
+    (["--config=configs/nosuch.py", "--target=v5p-8", "--out={tmp}/o.json"],
+     "--config=configs/nosuch.py: no such config in {repo}/configs"),
+    (["--config=configs/tiny.py", "--target=v5p-8", "--out={tmp}/o.json",
+      "--like={tmp}/missing.json"], "--like {tmp}/missing.json: No such file or directory"),
+])
+def test_a_bad_argument_is_one_line_naming_it(tmp_path, capsys, args, line):
+  (tmp_path / "notjson.json").write_text("nope")
+  (tmp_path / "list.json").write_text("[1]")
+  (tmp_path / "other.json").write_text('{"benchmark": 1}')
+  fill = lambda s: s.format(tmp=tmp_path, repo=aot_plan.REPO)
+  with pytest.raises(SystemExit) as e:
+    aot_plan.main([fill(a) for a in args])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.splitlines()[-1] == f"aot_plan.py: error: {fill(line)}"
+
+
+def test_aot_cli_names_an_unreadable_target_config(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.aot", "--config=configs/tiny.py", "--target=h100x8",
+       f"--target_config={tmp_path}/h100.pbtxt"],
+      capture_output=True, text=True, check=False, cwd=aot_plan.REPO)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"exgrpo_jax.aot: --target_config={tmp_path}/h100.pbtxt: No such file or directory")

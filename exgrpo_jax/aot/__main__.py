@@ -83,8 +83,12 @@ def main(argv):
       cli.check_writable(_OUT.value)
     target_config = None
     if _TARGET_CONFIG.value:
-      with open(_TARGET_CONFIG.value, encoding="utf-8") as f:
-        target_config = f.read()
+      try:
+        with open(_TARGET_CONFIG.value, encoding="utf-8") as f:
+          target_config = f.read()
+      except (OSError, UnicodeDecodeError) as e:
+        raise cli.UsageError(f"--target_config={_TARGET_CONFIG.value}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
     report = check_lib.run(_CONFIG.value, _TARGET.value, layers=_LAYERS.value,
                            target_config=target_config, slices=_SLICES.value,
                            parts=tuple(_PARTS.value),
