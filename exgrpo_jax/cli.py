@@ -7,10 +7,11 @@
 Exit statuses (README, "Exit statuses"):
   0    done
   1    an error: bad data, model path, checkpoint, disk, ...: one line `error: ...`
-       (`exgrpo_jax.train: ...` for training) on stderr; `--debug` re-raises it with
-       its traceback
+       (`exgrpo_jax.train: ...` for training) on stderr; `--debug` prints its traceback
+       instead (the exit status stays)
   2    bad arguments: argparse / absl flags, and `UsageError`s (the trainer's config
-       keys and values, e.g. `--config.algo.rho=2.0`, one line naming the key)
+       keys and values, e.g. `--config.algo.rho=2.0`: one line per bad value, naming
+       its key)
   75   preempted: SIGTERM or Ctrl-C stopped a training run after checkpointing its last
        complete step; rerunning the same command resumes (EX_TEMPFAIL of sysexits.h)
   130  interrupted during start-up or a second Ctrl-C (nothing new was checkpointed)
@@ -20,6 +21,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from typing import Callable
 
 EXIT_ERROR = 1
@@ -33,12 +35,37 @@ class UsageError(ValueError):
 
 
 def one_line(e: BaseException) -> str:
-  """`e`'s message on one line (its type name when the message does not say much)."""
+  """`e`'s message on one line: its first line, or where that is only a header (pydantic's
+  "1 validation error for ModelConfig", a line ending in ':') the lines naming the cause;
+  its type name when the message does not say much."""
+  validation = _validation_errors(e)
+  if validation:
+    return validation
   lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
   text = lines[0] if lines else ""
+  if text.endswith(":") and len(lines) > 1:
+    text = f"{text} {lines[1]}"
   if isinstance(e, (KeyError, MemoryError, UnicodeError)) or not text:
     text = f"{type(e).__name__}: {text}".rstrip(": ")
   return text
+
+
+def _validation_errors(e: BaseException) -> str | None:
+  """A pydantic ValidationError (vLLM's config checks) as `Model: field: why; ...`."""
+  if type(e).__name__ != "ValidationError" or not callable(getattr(e, "errors", None)):
+    return None
+  try:
+    items = e.errors()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  parts = []
+  for item in items:
+    why = str(item.get("msg", "")).removeprefix("Value error, ").removeprefix(
+        "Assertion failed, ")
+    where = ".".join(map(str, item.get("loc", ())))
+    parts.append(f"{where}: {why}" if where else why)
+  title = getattr(e, "title", "")
+  return (f"{title}: " if title else "") + "; ".join(parts) if parts else None
 
 
 def error(message: str, prefix: str = "error") -> int:
@@ -66,8 +93,9 @@ def _one_line_hook(kind, value, tb) -> None:
 
 
 def guarded(run: Callable[[], int | None], debug: bool = False, prefix: str = "error") -> int:
-  """Runs `run`; any exception becomes one `{prefix}: ...` line and exit status 1 (2 for
-  a UsageError)."""
+  """Runs `run`; any exception becomes one `{prefix}: ...` line and exit status 1, a
+  UsageError one such line per line of its message and exit status 2. With `debug`
+  the traceback is printed instead; the exit status is the same."""
   if not debug:  # for the whole process: late library output comes after `run` returns
     logging.getLogger("absl").addFilter(_DROP_LIBRARY_ERRORS)
     sys.excepthook = _one_line_hook
@@ -80,8 +108,12 @@ def guarded(run: Callable[[], int | None], debug: bool = False, prefix: str = "e
     return EXIT_INTERRUPTED
   except Exception as e:  # pylint: disable=broad-except
     if debug:
-      raise
-    error(one_line(e), prefix)
+      traceback.print_exc()
+    elif isinstance(e, UsageError):
+      for line in str(e).strip().splitlines():
+        error(line, prefix)
+    else:
+      error(one_line(e), prefix)
     return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
 
 
@@ -95,6 +127,14 @@ def positive_int(text: str) -> int:
   value = int(text)
   if value < 1:
     raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+  return value
+
+
+def non_negative_int(text: str) -> int:
+  """An argparse type: an integer >= 0."""
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
   return value
 
 

@@ -20,6 +20,9 @@ def _load(src: str, dtype: str | None):
   from exgrpo_jax import checkpointing  # pylint: disable=g-import-not-at-top
   if checkpointing.is_training_checkpoint(src):
     return checkpointing.load_policy_for_export(src)
+  if os.path.isdir(checkpointing.checkpoint_dir(src)):
+    raise ValueError(f"{src}: a training workdir whose checkpoints/ holds no checkpoint "
+                     "(its run stopped before the first one was written)")
   policy = models.from_pretrained(src, dtype=dtype or "float32")
   return policy.config, policy.params, src
 

@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
   add("--data", action="append", required=True,
       help="a data file (repeatable), or arithmetic[:FIELD=VALUE;...]: the held-out "
       "split of the generated task (exgrpo_jax.data.arithmetic settings)")
-  add("--limit", type=int, default=0, help="first N rows of every data_source (0 = all)")
+  add("--limit", type=cli.non_negative_int, default=0, help="first N rows of every data_source (0 = all)")
   add("--sources", default="", help="comma-separated data_sources to keep (default: all)")
   add("--template", default="chat", choices=data.TEMPLATES.names())
   add("--reward", default="",
@@ -69,9 +69,10 @@ def _parser() -> argparse.ArgumentParser:
       help="drop the file's system prompt (the reference's eval does)")
   add("--temperature", type=float, default=0.6)
   add("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
-  add("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=_non_negative_int,
+  add("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=cli.non_negative_int,
       default=0, help="response tokens (0 = the task's budget, within the model's context)")
-  add("--max-prompt-tokens", "--max_prompt_tokens", dest="max_prompt_tokens", type=int,
+  add("--max-prompt-tokens", "--max_prompt_tokens", dest="max_prompt_tokens",
+      type=cli.non_negative_int,
       default=0, help="drop (and count) longer prompts (0 = no limit)")
   add("--n", type=cli.positive_int, default=1, help="samples per row")
   add("--batch-prompts", "--batch_prompts", dest="batch_prompts", type=cli.positive_int,
@@ -92,24 +93,18 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _non_negative_int(text: str) -> int:
-  value = int(text)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-  return value
-
-
 def add_max_rows_flag(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
-      "--max-rows", "--max_rows", dest="max_rows", type=int, default=0,
+      "--max-rows", "--max_rows", dest="max_rows", type=cli.non_negative_int, default=0,
       help="jax engine: rows decoded at once; a call's other rows wait for a free slot "
            "(continuous batching). 0 = all rows of a call")
 
 
 def make_engine(args, cfg, tokenizer):
   """The `--engine` rollout engine; the jax engine decodes `--max-rows` rows at once."""
-  if args.max_rows < 0:
-    raise ValueError(f"--max-rows must be >= 0 (0: all rows of a call), got {args.max_rows}")
+  if args.max_rows and args.engine != "jax":
+    print(f"[exgrpo_jax] warning: --max-rows={args.max_rows} is the JAX sampler's; the "
+          f"{args.engine} engine ignores it", file=sys.stderr, flush=True)
   return sampling.make_engine(args.engine, cfg, tokenizer, **(
       {"max_rows": args.max_rows or None} if args.engine == "jax" else {}))
 

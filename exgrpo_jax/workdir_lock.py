@@ -50,8 +50,12 @@ class WorkdirLock:
                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
     return cls(path, fd)
 
-  def release(self) -> None:
+  def release(self, remove: bool = False) -> None:
+    """Frees the lock; `remove` also deletes the lock file (a start that was refused:
+    the workdir is left as it was found)."""
     if self._fd is not None:
+      if remove:  # while still holding the flock, so no other trainer holds this file
+        os.unlink(self.path)
       os.close(self._fd)  # closing the descriptor drops the flock
       self._fd = None
 

@@ -81,6 +81,40 @@ def test_bad_value_is_one_clear_error(key, value, message):
     config_check.check(c)
 
 
+def test_every_bad_value_gets_its_own_line():
+  c = _config()
+  c.algo.rho, c.rollout.k, c.optim.mini_batches = 2.0, 1, 0
+  c.rollout.engine, c.rollout.vllm.dtype, c.rollout.vllm.max_num_seqs = "vllm", "foo", 0
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  lines = str(e.value).splitlines()
+  assert [l.split(":")[0] for l in lines] == [
+      "config.rollout.k=1", "config.rollout.vllm.max_num_seqs=0",
+      "config.rollout.vllm.dtype='foo'", "config.algo.rho=2.0", "config.optim.mini_batches=0"]
+
+
+def test_vllm_settings_with_the_jax_engine_are_refused():
+  c = _config()
+  c.rollout.vllm.dtype, c.rollout.vllm.sleep_level = "int8", 0
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  assert str(e.value).splitlines() == [
+      f"config.rollout.vllm.{key}={value!r}: is read only with rollout.engine='vllm', and "
+      "this run's engine is 'jax'; drop it, or add --config.rollout.engine=vllm"
+      for key, value in (("dtype", "int8"), ("sleep_level", 0))]
+
+
+def test_jax_sampler_settings_with_the_vllm_engine_are_named_not_refused():
+  c = _config("qwen7b")  # plans rollout.max_rows for the JAX engine
+  assert config_check.ignored(c) == []
+  c.rollout.engine, c.rollout.scheduler = "vllm", "static"
+  assert config_check.ignored(c) == [
+      "config.rollout.max_rows=832 sizes the JAX sampler's KV cache; the vllm engine "
+      "ignores it (rollout.vllm.max_num_seqs bounds its batch)",
+      "config.rollout.scheduler='static' is the JAX sampler's; the vllm engine schedules "
+      "its own rows"]
+
+
 @pytest.mark.parametrize("key, source_key", [("data.train_path", "data.source"),
                                              ("eval.path", "eval.source")])
 def test_data_path_without_a_file_source_is_one_clear_error(key, source_key):
@@ -227,3 +261,20 @@ def test_train_cli_prints_one_line_and_fails(tmp_path, flag, line):
   assert proc.stderr.strip().splitlines()[-1] == f"exgrpo_jax.train: {line}"
   assert "Traceback" not in proc.stderr
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_train_cli_lists_every_bad_value_and_debug_keeps_the_status(tmp_path):
+  flags = ["--config.rollout.engine=vllm", "--config.rollout.vllm.dtype=foo",
+           "--config.rollout.vllm.max_num_seqs=0"]
+  run = lambda *extra: subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
+       f"--workdir={tmp_path}", *flags, *extra],
+      capture_output=True, text=True, check=False, cwd=REPO)
+  proc = run()
+  assert proc.returncode == cli.EXIT_USAGE
+  assert proc.stderr.strip().splitlines()[-2:] == [
+      "exgrpo_jax.train: config.rollout.vllm.max_num_seqs=0: must be an integer >= 1",
+      "exgrpo_jax.train: config.rollout.vllm.dtype='foo': must be one of ('', 'float32', "
+      "'bfloat16', 'float16') (\"\": the model's, model.dtype)"]
+  proc = run("--debug")
+  assert proc.returncode == cli.EXIT_USAGE and "Traceback" in proc.stderr

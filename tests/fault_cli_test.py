@@ -118,6 +118,32 @@ def test_convert_damaged_workdir_is_one_line(tmp_path, capsys):
 
 # --- eval and generate ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("flag, value, why", [
+    ("--limit", "-1", "--limit: must be at least 0, got -1"),
+    ("--max-prompt-tokens", "-3", "--max-prompt-tokens/--max_prompt_tokens: must be at "
+                                  "least 0, got -3")])
+def test_eval_negative_counts_are_usage_errors(flag, value, why, capsys):
+  with pytest.raises(SystemExit) as e:
+    eval_cli.main(["--data", "arithmetic", flag, value])
+  assert e.value.code == cli.EXIT_USAGE
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"python -m exgrpo_jax.eval: error: argument {why}")
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
+  fake = tmp_path / "model.gguf"
+  fake.write_bytes(b"<html>not a model</html>")
+  assert generate.main(["--model", str(fake), "--prompt", "Hi"]) == 1
+  _one_error_line(capsys, f"{fake}: not a GGUF file (it starts with b'<htm', a GGUF file "
+                          "with b'GGUF')")
+
+
+def test_convert_of_a_workdir_without_a_checkpoint_says_so(tmp_path, capsys):
+  os.makedirs(tmp_path / "checkpoints")
+  assert convert.main(["--src", str(tmp_path), "--dst", str(tmp_path / "out")]) == 1
+  _one_error_line(capsys, "a training workdir whose checkpoints/ holds no checkpoint")
+
+
 @pytest.mark.parametrize("flag", ["--batch-prompts", "--n"])
 def test_eval_zero_counts_are_usage_errors(flag, capsys):
   with pytest.raises(SystemExit) as e:
@@ -157,8 +183,45 @@ def test_missing_model_path_is_one_line_and_debug_shows_the_traceback(tmp_path, 
   args = ["--model", str(tmp_path / "nope"), "--prompt", "Hi"]
   assert generate.main(args) == 1
   _one_error_line(capsys, "nope")
-  with pytest.raises(FileNotFoundError):
-    generate.main(args + ["--debug"])
+  # --debug shows the traceback and keeps the exit status.
+  assert generate.main(args + ["--debug"]) == 1
+  err = capsys.readouterr().err
+  assert "Traceback" in err and "FileNotFoundError" in err
+
+
+def test_debug_keeps_a_usage_errors_exit_status(capsys):
+  def bad():
+    raise cli.UsageError("config.x=1: first\nconfig.y=2: second")
+  assert cli.guarded(bad) == cli.EXIT_USAGE
+  assert capsys.readouterr().err.splitlines() == ["error: config.x=1: first",
+                                                  "error: config.y=2: second"]
+  assert cli.guarded(bad, debug=True) == cli.EXIT_USAGE
+  assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_validation_error_keeps_its_cause():
+  pydantic = pytest.importorskip("pydantic")
+
+  class ModelConfig(pydantic.BaseModel):
+    max_model_len: int
+
+    @pydantic.field_validator("max_model_len")
+    @classmethod
+    def fits(cls, value):
+      raise ValueError(f"User-specified max_model_len ({value}) is greater than the derived "
+                       "max_model_len (max_position_embeddings=128)")
+
+  with pytest.raises(pydantic.ValidationError) as e:
+    ModelConfig(max_model_len=176)
+  assert str(e.value).splitlines()[0] == "1 validation error for ModelConfig"
+  assert cli.one_line(e.value) == (
+      "ModelConfig: max_model_len: User-specified max_model_len (176) is greater than the "
+      "derived max_model_len (max_position_embeddings=128)")
+
+
+def test_a_header_line_takes_the_line_that_follows():
+  assert cli.one_line(ValueError("bad settings:\n  rho must be in [0, 1]\n  more")) == (
+      "bad settings: rho must be in [0, 1]")
 
 
 # --- the trainer's guards ------------------------------------------------------------------

@@ -42,8 +42,8 @@ def _refused(proc, line: str) -> None:
     (["extra"], "unexpected arguments: extra"),
     (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
     (["--config=configs/tiny.py:nope"], "--config=configs/tiny.py:nope: unknown variant "
-     "'nope'; choose from exgrpo, onpolicy, no_qsel, no_tsel, high_ent, no_shaping, no_is, "
-     "rho25, rho75"),
+     "'nope'; choose from exgrpo, onpolicy, noreplay, no_qsel, no_tsel, high_ent, no_shaping, "
+     "no_is, rho25, rho75"),
 ], ids=["unknown_flag", "bad_value", "positional", "missing_config", "unknown_variant"])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, line):
   _refused(_train(f"--workdir={tmp_path}", *args), line)
@@ -89,6 +89,20 @@ def test_batch_larger_than_the_data_is_refused(tmp_path):
            "arithmetic:train (a batch never holds a question twice); lower it, or raise "
            "data.limit")
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_a_start_refused_after_the_state_is_created_leaves_nothing_behind(tmp_path):
+  # The context check runs once the model is loaded: the lock and checkpoints/ exist by
+  # then, and a new workdir with them.
+  workdir = tmp_path / "new"
+  proc = _train(f"--workdir={workdir}", "--config.rollout.max_new_tokens=9000")
+  assert proc.returncode == cli.EXIT_ERROR
+  assert "exceeds the model's 8192 positions" in proc.stderr.splitlines()[-1]
+  assert not os.path.exists(workdir)
+  existing = tmp_path / "existing"
+  (existing / "notes").mkdir(parents=True)
+  _train(f"--workdir={existing}", "--config.rollout.max_new_tokens=9000")
+  assert sorted(os.listdir(existing)) == ["notes"]
 
 
 @pytest.fixture(scope="module")

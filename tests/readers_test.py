@@ -168,9 +168,41 @@ def test_datasets_directories(tmp_path):
   assert len(data.load_questions(str(tmp_path / "dict")).questions) == 2  # train
   with pytest.raises(data.DataError, match=r"dict: no split 'dev' \(splits: train, test\)"):
     data.load_questions(f"{tmp_path}/dict@dev")
-  (tmp_path / "plain").mkdir()
+  (tmp_path / "plain" / "state.json").parent.mkdir()
+  (tmp_path / "plain" / "state.json").write_text("{}")
   with pytest.raises(data.DataError, match=r"plain: not a `datasets` save_to_disk directory"):
     data.load_questions(str(tmp_path / "plain"))
+
+
+def test_a_directory_of_data_files_is_read_without_datasets(tmp_path):
+  frame = _verl_frame()
+  snapshot = tmp_path / "snapshot"
+  snapshot.mkdir()
+  frame[:2].to_parquet(snapshot / "train-00000-of-00002.parquet")
+  frame[2:3].to_parquet(snapshot / "train-00001-of-00002.parquet")
+  frame[3:].to_parquet(snapshot / "test-00000-of-00001.parquet")
+  (snapshot / "README.md").write_text("a hub snapshot")
+  train = data.load_questions(str(snapshot)).questions
+  assert [q.ground_truth for q in train] == ["1", "2", "3"]  # train* by default, in order
+  assert [q.ground_truth for q in data.load_questions(f"{snapshot}@test").questions] == ["4"]
+  with pytest.raises(data.DataError, match=r"snapshot@dev: no data file named dev\* \(it "
+                                           r"holds test-00000-of-00001.parquet, train-"):
+    data.load_questions(f"{snapshot}@dev")
+  rows = tmp_path / "rows"
+  rows.mkdir()
+  frame[:1].to_json(rows / "a.jsonl", orient="records", lines=True)
+  frame[1:2].to_json(rows / "b.jsonl", orient="records", lines=True)
+  assert [q.ground_truth for q in data.load_questions(str(rows)).questions] == ["1", "2"]
+  pd.DataFrame({"question": ["x"]}).to_json(rows / "c.jsonl", orient="records", lines=True)
+  with pytest.raises(data.DataError, match=r"c.jsonl: columns \['question'\] differ from "):
+    data.load_questions(str(rows))
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "notes.txt").write_text("")
+  with pytest.raises(data.DataError, match=r"other: a directory with no data files \(.parquet, "
+                                           r".jsonl, .json\), nor a `datasets` save_to_disk "
+                                           r"directory; it holds notes.txt"):
+    data.load_questions(str(other))
 
 
 def test_hub_names(monkeypatch):

@@ -47,9 +47,12 @@ def test_max_rows_decodes_the_same_rows_in_fewer_slots(tiny_dir, capsys):
   every_row = capsys.readouterr().out
   assert generate.main(args + ["--max-rows", "1"]) == 0
   assert capsys.readouterr().out == every_row
-  assert generate.main(args + ["--max-rows", "-1"]) == 1
-  assert capsys.readouterr().err.strip() == ("error: --max-rows must be >= 0 (0: all rows "
-                                             "of a call), got -1")
+  with pytest.raises(SystemExit) as e:  # a bad flag: exit status 2
+    generate.main(args + ["--max-rows", "-1"])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      "python -m exgrpo_jax.generate: error: argument --max-rows/--max_rows: must be at "
+      "least 0, got -1")
 
 
 def test_bad_model_path_is_an_error_not_a_traceback(capsys):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from configs import common
+from exgrpo_jax import cli
 from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
@@ -144,6 +145,13 @@ def test_engine_passes_the_configured_options(stand_in):
   assert vllm_setup.VllmOptions.from_config(c).max_model_len == 140
 
 
+def test_a_length_budget_past_the_models_positions_is_capped(stand_in):
+  # data.max_prompt_tokens + max_new_tokens may pass the positions while the real
+  # prompts fit (run_guard.check_context): vLLM refuses such a max_model_len outright.
+  make(dataclasses.replace(TINY, max_position_embeddings=40), max_model_len=176)
+  assert stand_in.INSTANCES[0].kwargs["max_model_len"] == 40
+
+
 def test_bad_options_get_one_line_each():
   c = common.base_config()
   c.rollout.vllm.update(dict(gpu_memory_utilization=1.5, sleep_level=3, max_num_seqs=0,
@@ -161,7 +169,10 @@ def test_config_check_names_bad_vllm_values():
   from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top
   c = tiny.get_config()
   c.rollout.vllm.sleep_level = 5
-  config_check.check(c)  # the jax engine ignores the vllm section
+  with pytest.raises(config_check.ConfigError,  # the jax engine would ignore it
+                     match=r"^config.rollout.vllm.sleep_level=5: is read only with "
+                           r"rollout.engine='vllm'"):
+    config_check.check(c)
   c.rollout.engine = "vllm"
   with pytest.raises(config_check.ConfigError,
                      match=r"^config.rollout.vllm.sleep_level=5: must be 0"):
@@ -273,8 +284,14 @@ def test_the_cpu_kv_cache_holds_whole_blocks_of_max_num_seqs_sequences():
       "VLLM_CPU_KVCACHE_SPACE": "2"}).kv_cache_bytes == 2 * vllm_setup.GIB
   with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE='lots' must be a whole"):
     vllm_setup.plan_cpu_kv(cfg, one, 8 * vllm_setup.GIB, {"VLLM_CPU_KVCACHE_SPACE": "lots"})
-  with pytest.raises(ValueError, match="less than one 520-token sequence"):
+  with pytest.raises(ValueError, match="less than one 520-token sequence.*free memory or "
+                                       "shorten data.max_prompt_tokens"):
     vllm_setup.plan_cpu_kv(cfg, one, 1000, environ={})
+  # Too small a size of the user's: the fix is to raise or unset it, not to free memory.
+  with pytest.raises(ValueError, match=r"VLLM_CPU_KVCACHE_SPACE=0 is 0.00 GiB, less than one "
+                                       r"520-token sequence .* raise VLLM_CPU_KVCACHE_SPACE "
+                                       r"or unset it"):
+    vllm_setup.plan_cpu_kv(cfg, one, 8 * vllm_setup.GIB, {"VLLM_CPU_KVCACHE_SPACE": "0"})
 
 
 def test_the_engine_refuses_a_split_before_starting_vllm(stand_in, monkeypatch):
@@ -282,7 +299,7 @@ def test_the_engine_refuses_a_split_before_starting_vllm(stand_in, monkeypatch):
   with pytest.raises(ValueError, match="gives vLLM 0.6 GiB of the 2.0 GiB GPU"):
     make(TINY)
   assert not stand_in.INSTANCES
-  with pytest.raises(ValueError, match="needs 2 JAX processes"):
+  with pytest.raises(cli.UsageError, match="needs 2 JAX processes"):  # exit status 2
     vllm_setup.ProcessLayout.create(2, 0, 1, 1)
   with pytest.raises(ValueError, match="one GPU per process"):
     vllm_setup.ProcessLayout.create(1, 0, 2, 8)

@@ -259,3 +259,12 @@ def test_compile_notice_follows_the_cache_as_the_run_found_it(tmp_path, capsys, 
   notices.compiling("step 2", "X")  # once per kind of program
   assert capsys.readouterr().err.splitlines() == [
       "[exgrpo_jax] step 1: " + note.format(dir=directory)]
+
+
+def test_evaluation_on_vllm_says_no_sampler_compile(capsys):
+  notices = announce.Notices()
+  notices.evaluating(0, 40, 2, jax_sampler=False)
+  assert capsys.readouterr().err.splitlines() == [
+      "[exgrpo_jax] step 0: evaluating on 40 problems, 2 samples each"]
+  notices.evaluating(0, 40, 2)
+  assert "compiling the sampler's programs" in capsys.readouterr().err

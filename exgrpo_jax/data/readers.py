@@ -5,7 +5,10 @@ A data spec (`data.train_path`, `eval.path`) is one source, or several separated
 
   FILE.parquet, FILE.jsonl, FILE.json   a table of rows (JSON: an array of objects)
   DIR[@SPLIT]                           a `datasets` save_to_disk directory (split of a
-                                        DatasetDict; default train)
+                                        DatasetDict; default train), or a directory of
+                                        such files (a hub snapshot's data/: the files
+                                        named SPLIT*, default train* where there are
+                                        any, else all), read in name order
   hf:OWNER/NAME[/CONFIG][@SPLIT]        a Hugging Face hub dataset (online; default train)
 
 Relative paths resolve against the data directory: `data.dir`, else `$EXGRPO_DATA_DIR`,
@@ -25,6 +28,9 @@ from exgrpo_jax import cli
 ENV_VAR = "EXGRPO_DATA_DIR"
 HUB_PREFIX = "hf:"
 PREPARE = "python -m exgrpo_jax.prepare_data --out"
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+# What `datasets`' save_to_disk writes (a Dataset; a DatasetDict).
+DATASETS_MARKERS = ("state.json", "dataset_dict.json")
 
 
 class DataError(ValueError):
@@ -101,7 +107,13 @@ def _read(source: str) -> Table:
   path, split = _local(source)
   stem = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
   if os.path.isdir(path):
-    return _read_disk(path, split, stem)
+    if any(os.path.exists(os.path.join(path, marker)) for marker in DATASETS_MARKERS):
+      return _read_disk(path, split, stem)
+    return _read_files(path, split, stem)
+  return _read_file(path, stem)
+
+
+def _read_file(path: str, stem: str) -> Table:
   if path.endswith(".parquet"):
     try:
       frame = pd.read_parquet(path)
@@ -114,6 +126,28 @@ def _read(source: str) -> Table:
     return _read_json(path, stem)
   raise DataError(f"{path}: unknown data format (expected .parquet, .jsonl, .json, a "
                   "`datasets` save_to_disk directory or hf:OWNER/NAME)")
+
+
+def _read_files(path: str, split: str, stem: str) -> Table:
+  """A directory's data files as one table (see the module docstring for which)."""
+  names = sorted(os.listdir(path))
+  files = [n for n in names if n.endswith(DATA_SUFFIXES)
+           and os.path.isfile(os.path.join(path, n))]
+  if not files:
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") or "nothing"
+    raise DataError(f"{path}: a directory with no data files ({', '.join(DATA_SUFFIXES)}), "
+                    f"nor a `datasets` save_to_disk directory; it holds {shown}")
+  chosen = [n for n in files if n.startswith(split or "train")]
+  if split and not chosen:
+    raise DataError(f"{path}@{split}: no data file named {split}* (it holds "
+                    f"{', '.join(files)})")
+  tables = [_read_file(os.path.join(path, n), stem) for n in chosen or files]
+  columns = [t.columns for t in tables]
+  if any(c != columns[0] for c in columns):
+    different = next(t for t in tables if t.columns != columns[0])
+    raise DataError(f"{different.name}: columns {sorted(different.columns)} differ from "
+                    f"{tables[0].name}'s {sorted(columns[0])}")
+  return Table(path, stem, [row for t in tables for row in t.rows], columns[0])
 
 
 def _frame_table(name: str, stem: str, frame: pd.DataFrame) -> Table:

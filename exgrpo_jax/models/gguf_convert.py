@@ -130,10 +130,27 @@ def save_tokenizer(meta: dict, directory: str) -> None:
   tokenizer.save_pretrained(directory)
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def _reader(gguf_path: str) -> gguf.GGUFReader:
+  """gguf's reader, once the file is known to be a GGUF (its own error for another file
+  reads the first bytes as a version number and names neither the file nor the cause)."""
+  with open(gguf_path, "rb") as f:
+    head = f.read(len(GGUF_MAGIC))
+  if head != GGUF_MAGIC:
+    raise ValueError(f"{gguf_path}: not a GGUF file (it starts with {head!r}, a GGUF file "
+                     f"with {GGUF_MAGIC!r})")
+  try:
+    return gguf.GGUFReader(gguf_path)
+  except (ValueError, IndexError, OSError) as e:
+    raise ValueError(f"{gguf_path}: unreadable GGUF file ({e})") from None
+
+
 def convert(gguf_path: str, directory: str) -> None:
   """Writes config.json, model.safetensors and the tokenizer of `gguf_path` to `directory`."""
   _tokenizer_mapping()  # before anything is written
-  reader = gguf.GGUFReader(gguf_path)
+  reader = _reader(gguf_path)
   meta = _metadata(reader)
   config = hf_config(meta, {t.name for t in reader.tensors}, gguf_path)
   os.makedirs(directory, exist_ok=True)

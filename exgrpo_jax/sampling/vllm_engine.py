@@ -297,6 +297,11 @@ class VllmEngine:
     lines = options.problems()
     if lines:
       raise ValueError("\n".join(lines))
+    # The run's length budget (data.max_prompt_tokens + max_new_tokens) may pass the
+    # model's positions while its real prompts fit them (run_guard.check_context); vLLM
+    # refuses a max_model_len beyond the positions.
+    options = dataclasses.replace(options, max_model_len=min(
+        options.max_model_len, model_cfg.max_position_embeddings))
     # vLLM computes in its own dtype (a bfloat16 rollout beside a float32 learner, say):
     # its memory, its weights and the hand-off follow it.
     model_cfg = dataclasses.replace(model_cfg, dtype=options.dtype or model_cfg.dtype)
@@ -307,11 +312,12 @@ class VllmEngine:
     local_rank = device.local_hardware_id if device.platform == "gpu" else 0
     if self.platform == "cpu":
       check_cpu_model(model_cfg)
-      if options.sleep_level:
+      # Said only for a level asked for: the default (2) is every run's, eval's too.
+      if options.sleep_level not in (0, vllm_setup.VllmOptions.sleep_level):
         print(f"[exgrpo_jax] vLLM's CPU build has no sleep mode: rollout.vllm.sleep_level="
               f"{options.sleep_level} runs as 0 (vLLM keeps its weights and KV cache in "
               "host memory between rollouts)", file=sys.stderr, flush=True)
-        options = dataclasses.replace(options, sleep_level=0)
+      options = dataclasses.replace(options, sleep_level=0)
       self.memory = vllm_setup.plan_cpu_kv(model_cfg, options, _host_available_bytes())
       llm_kwargs.setdefault("kv_cache_memory_bytes", self.memory.kv_cache_bytes)
       # vLLM 0.32's CPU build cannot load its own AOT-compiled model ("'function' object

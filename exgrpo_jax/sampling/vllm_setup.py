@@ -35,6 +35,7 @@ import os
 
 import numpy as np
 
+from exgrpo_jax import cli
 from exgrpo_jax.models import config as config_lib
 
 GIB = 2 ** 30
@@ -193,7 +194,9 @@ def plan_cpu_kv(model_cfg: config_lib.ModelConfig, options: VllmOptions,
     raise ValueError(
         f"vLLM's CPU KV cache from {source} is {kv_bytes / GIB:.2f} GiB, less than one "
         f"{options.max_model_len}-token sequence ({kv_seq / GIB:.2f} GiB) and vLLM's own "
-        "block; free memory or shorten data.max_prompt_tokens / max_new_tokens")
+        "block; " + ("raise VLLM_CPU_KVCACHE_SPACE or unset it (then a quarter of the "
+                     "available memory is used)" if space else
+                     "free memory or shorten data.max_prompt_tokens / max_new_tokens"))
   return MemorySplit(device_gib=available_bytes / GIB, jax_fraction=None,
                      vllm_fraction=kv_bytes / available_bytes,
                      vllm_weights_gib=weights / GIB, kv_gib_per_sequence=kv_seq / GIB,
@@ -214,12 +217,13 @@ class ProcessLayout:
   def create(cls, tensor_parallel_size: int, process: int, processes: int,
              local_devices: int) -> "ProcessLayout":
     tp = tensor_parallel_size
+    # Config values this launch cannot run (exit status 2); the next is how it was started.
     if processes == 1 and tp > 1:
-      raise ValueError(
+      raise cli.UsageError(
           f"rollout.vllm.tensor_parallel_size={tp} needs {tp} JAX processes, one per GPU "
           "(jax.distributed; docs/vllm.md, 'Every GPU rolls out'); this run has 1")
     if processes % tp:
-      raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} does not divide the "
+      raise cli.UsageError(f"rollout.vllm.tensor_parallel_size={tp} does not divide the "
                        f"{processes} JAX processes")
     if processes > 1 and local_devices != 1:
       raise ValueError(

@@ -2,7 +2,7 @@
 
   notices = announce.Notices()          # before anything compiles: reads the cache state
   notices.compiling("step 1", "the rollout, scoring and train-step programs")
-  notices.evaluating(step, num_problems)
+  notices.evaluating(step, num_problems, samples, jax_sampler=True)
 
 A compile is said once per kind of program and process. Whether it is a first compile
 is judged from JAX's persistent compilation cache (`exgrpo_jax.compile_cache`) as it
@@ -44,10 +44,14 @@ class Notices:
       self._said.add(what)
       self.say(f"{when}: compiling {what}{self._cache}")
 
-  def evaluating(self, step: int, num_problems: int, samples: int) -> None:
-    """An evaluation of `num_problems` (none: nothing to say) is about to start."""
+  def evaluating(self, step: int, num_problems: int, samples: int,
+                 jax_sampler: bool = True) -> None:
+    """An evaluation of `num_problems` (none: nothing to say) is about to start;
+    `jax_sampler`: it runs on the JAX sampler, whose programs compile first (vLLM's
+    start-up says its own)."""
     if not num_problems:
       return
-    self.compiling(f"step {step}", "the sampler's programs")
+    if jax_sampler:
+      self.compiling(f"step {step}", "the sampler's programs")
     per = f", {samples} samples each" if samples > 1 else ""
     self.say(f"step {step}: evaluating on {num_problems} problems{per}")

@@ -1,7 +1,7 @@
 """Start-up validation of a training config: one clear line per mistake, before any work.
 
-`check(config)` raises `ConfigError` naming the key, its value and what is allowed, for
-out-of-range values (rho outside [0, 1], K < 2, non-positive lengths, ...), batch sizes
+`check(config)` raises `ConfigError` listing every problem, one line each naming the key,
+its value and what is allowed, for out-of-range values (rho outside [0, 1], K < 2, non-positive lengths, ...), batch sizes
 that do not fit together, unknown names (loss, advantage, reward, template, engine,
 trajectory selection), missing files and a data path that the configured source would
 not read (`--config.KEY` typos, which the locked ConfigDict refuses, are named with the
@@ -13,6 +13,8 @@ than the training questions once they are loaded. The mesh is checked by
 A ConfigError is a `cli.UsageError`: the train CLI exits with status 2.
 """
 
+import contextvars
+import dataclasses
 import math
 import os
 
@@ -37,12 +39,23 @@ DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(cli.UsageError):
-  """A config value that cannot work."""
+  """Config values that cannot work, one line each."""
+
+
+# The lines `check` collects; None outside it (a problem then raises at once).
+_PROBLEMS = contextvars.ContextVar("config_problems", default=None)
+
+
+def _problem(line: str) -> None:
+  lines = _PROBLEMS.get()
+  if lines is None:
+    raise ConfigError(line)
+  lines.append(line)
 
 
 def _require(ok: bool, key: str, value, allowed: str) -> None:
   if not ok:
-    raise ConfigError(f"config.{key}={value!r}: {allowed}")
+    _problem(f"config.{key}={value!r}: {allowed}")
 
 
 def _range(c, key: str, low=None, high=None, *, low_open=False, allow_none=False) -> None:
@@ -79,7 +92,23 @@ def _data(key: str, spec: str, data_dir: str) -> None:
 
 
 def check(c) -> None:
-  """Raises ConfigError for the first problem found in training config `c`."""
+  """Raises ConfigError listing every problem of training config `c`, one per line."""
+  lines = []
+  token = _PROBLEMS.set(lines)
+  try:
+    _check(c)
+  except (ArithmeticError, TypeError, ValueError):
+    # A check that reads a value already found bad (a zero optim.mini_batches divides)
+    # has nothing to add to that value's line.
+    if not lines:
+      raise
+  finally:
+    _PROBLEMS.reset(token)
+  if lines:
+    raise ConfigError("\n".join(dict.fromkeys(lines)))
+
+
+def _check(c) -> None:
   m = c.model
   _known("model.dtype", m.dtype, DTYPES)
   _known("model.param_dtype", m.param_dtype, DTYPES)
@@ -119,7 +148,14 @@ def check(c) -> None:
     try:
       vllm_setup.VllmOptions.from_config(c)
     except ValueError as e:
-      raise ConfigError(str(e)) from None
+      for line in str(e).splitlines():
+        _problem(line)
+  else:
+    defaults = dataclasses.asdict(vllm_setup.VllmOptions(max_model_len=2))
+    for key, value in r.vllm.items():
+      _require(value == defaults[key], f"rollout.vllm.{key}", value,
+               f"is read only with rollout.engine='vllm', and this run's engine is "
+               f"{r.engine!r}; drop it, or add --config.rollout.engine=vllm")
 
   try:
     graders.load_plugins(c.reward.plugins)  # before reward.name: plugins add names
@@ -204,6 +240,23 @@ def check(c) -> None:
     _range(c, "eval.temperature", 0)
     _range(c, "eval.max_new_tokens", 0, low_open=True)
     _range(c, "eval.n", 1)
+
+
+def ignored(c) -> list[str]:
+  """Settings of training config `c` that its rollout engine does not read, one line
+  each, said at start-up rather than refused: the GPU configs plan rollout.max_rows
+  for the JAX engine, and `--config.rollout.engine=vllm` must still run them."""
+  r = c.rollout
+  if r.engine != "vllm":
+    return []
+  lines = []
+  if r.max_rows:
+    lines.append(f"config.rollout.max_rows={r.max_rows} sizes the JAX sampler's KV cache; "
+                 "the vllm engine ignores it (rollout.vllm.max_num_seqs bounds its batch)")
+  if r.scheduler != "continuous":  # the default
+    lines.append(f"config.rollout.scheduler={r.scheduler!r} is the JAX sampler's; the vllm "
+                 "engine schedules its own rows")
+  return lines
 
 
 def _only_with_file_source(path: str, key: str, source_key: str, source: str) -> None:

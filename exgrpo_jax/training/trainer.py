@@ -44,6 +44,13 @@ from exgrpo_jax.training import run_log
 from exgrpo_jax.training import run_state
 
 
+def _refused_start_leftovers(workdir: str) -> list[str]:
+  """The directories a start creates that a refused start removes again (if empty),
+  innermost first: `checkpoints/`, and the workdir itself, where they do not exist yet."""
+  directories = [os.path.join(workdir, "checkpoints"), workdir]
+  return [d for d in directories if not os.path.exists(d)]
+
+
 def evaluates_before_training(eval_cfg) -> bool:
   """`eval.before_train`: None (the default) evaluates at step 0 whenever `eval.every`
   is above 0; True also with `eval.every = 0` (the only evaluation then); False never."""
@@ -63,26 +70,37 @@ class Trainer:
   def __init__(self, config, workdir: str, engine=None):
     config_check.check(config)
     self.notices = announce.Notices()  # before anything compiles
+    for line in config_check.ignored(config):
+      self.notices.say(f"warning: {line}")
     self.config = config
     self.workdir = workdir
     # Scoped to the trainer's programs (rollout, scoring, step, eval), not the process.
     self.matmul_precision = models.matmul_precision(config.model.matmul_precision,
                                                     config.model.dtype)
     # Before anything is read or written: a second trainer here is refused.
+    left_behind = _refused_start_leftovers(workdir)
     self._lock = workdir_lock.WorkdirLock.acquire(workdir, primary=jax.process_index() == 0)
+    self._opened = []  # the close() of what _start has opened so far
     try:
-      self.state = run_state.RunState.create_or_restore(config, workdir)
+      self._start(config, workdir, engine)
     except BaseException:
-      self._lock.release()
+      # A start refused or failed before any step leaves the workdir as it found it.
+      for close in reversed(self._opened):
+        close()
+      self._lock.release(remove=True)
+      for directory in left_behind:
+        if os.path.isdir(directory) and not os.listdir(directory):
+          os.rmdir(directory)
       raise
-    st = self.state
-    try:
-      run_guard.check_context([len(p.ids) for p in st.prompts], config.rollout.max_new_tokens,
-                              st.model_cfg)
-    except ValueError:
-      st.close()
-      self._lock.release()
-      raise
+    self._stop_requested = False
+    self.preempted = False  # stopped by SIGTERM / Ctrl-C before train.steps
+
+  def _start(self, config, workdir: str, engine) -> None:
+    """Everything a run needs before its first step: state, engine, grader, learner, log."""
+    self.state = st = run_state.RunState.create_or_restore(config, workdir)
+    self._opened.append(st.close)
+    run_guard.check_context([len(p.ids) for p in st.prompts], config.rollout.max_new_tokens,
+                            st.model_cfg)
     # max_rows bounds the JAX sampler's KV cache (docs/aot.md, "Memory plan").
     options = ({"max_rows": config.rollout.max_rows or None,
                 "scheduler": config.rollout.scheduler} if config.rollout.engine == "jax" else
@@ -90,14 +108,15 @@ class Trainer:
     self._owns_engine = engine is None
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
+    if self._owns_engine:
+      self._opened.append(self.engine.close)
     self.grader = grading.Grader(config)
+    self._opened.append(self.grader.close)
     self.actor = actor_lib.Actor(config, st.model_cfg, st.pad_id)
     run_guard.warn_gpu_memory_fraction(config.rollout.engine)
     run_guard.truncate_metrics(workdir, st.step)  # one row per step after a resume
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step,
                               loggers=config.train.loggers, config=config.to_dict())
-    self._stop_requested = False
-    self.preempted = False  # stopped by SIGTERM / Ctrl-C before train.steps
 
   # --- one training step --------------------------------------------------------------------
 
@@ -286,7 +305,7 @@ class Trainer:
   def _evaluate(self) -> dict:
     """val/* metrics; a few graded completions go to the run log."""
     self.notices.evaluating(self.state.step, len(self.grader.eval_questions()),
-                            self.config.eval.n)
+                            self.config.eval.n, jax_sampler=self.config.rollout.engine == "jax")
     with jax.default_matmul_precision(self.matmul_precision):
       metrics = self.grader.validate(self.engine, self.state.params, self.state.tokenizer)
     self.log.eval_samples(self.state.step, self.grader.eval_responses)
@@ -303,8 +322,9 @@ class Trainer:
           self.log.write(0, start)
           self.log.progress(0, start)
         while st.step < cfg.train.steps and not self._stop_on_all_processes(stop):
-          self.notices.compiling(f"step {st.step + 1}",
-                                 "the rollout, scoring and train-step programs")
+          self.notices.compiling(f"step {st.step + 1}", (
+              "the rollout, scoring and train-step programs" if cfg.rollout.engine == "jax"
+              else "the scoring and train-step programs"))
           metrics = self.train_step()
           if cfg.eval.every and (st.step % cfg.eval.every == 0 or st.step == cfg.train.steps):
             metrics.update(self._evaluate())
