@@ -10,6 +10,7 @@ has: sleep and wake, and the external launcher across GPUs.
 """
 
 import dataclasses
+import logging
 import functools
 import sys
 import types
@@ -25,6 +26,7 @@ from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.models import export
+from exgrpo_jax.sampling import vllm_console
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
 from tests import vllm_stand_in
@@ -427,3 +429,26 @@ def test_the_trainer_runs_every_jax_phase_while_vllm_sleeps(stand_in, monkeypatc
   # The second rollout ran on the weights the first learner phase produced.
   for name, array in after_first:
     np.testing.assert_array_equal(llm.generated_with[name][2], array, err_msg=name)
+
+
+def test_vllm_console_keeps_warnings_a_user_can_act_on(capsys, monkeypatch):
+  environ = {}
+  logger = logging.getLogger("vllm")
+  monkeypatch.setattr(logger, "handlers", [])
+  monkeypatch.setattr(logger, "propagate", True)
+  vllm_console.quiet(environ)
+  vllm_console.quiet(environ)  # a second engine adds no second handler
+  assert environ == {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CONFIGURE_LOGGING": "0"}
+  worker = logging.getLogger("vllm.v1.worker.cpu_worker")
+  worker.warning("libtcmalloc is not found in LD_PRELOAD. For best performance, ...")
+  worker.warning("CPU backend doesn't allow to use `torch.set_num_threads` after the thread "
+                 "binding, skip it.")
+  worker.warning("KV cache is only 3 percent full")
+  worker.info("Loading weights took 0.1 s")
+  logging.getLogger("torch._library.triton").warning("Triton not available, kernels = []")
+  assert capsys.readouterr().err.splitlines() == [
+      "[vllm] WARNING KV cache is only 3 percent full"]
+  asked = {"VLLM_CONFIGURE_LOGGING": "1"}  # vLLM's own console setup: left alone
+  monkeypatch.setattr(logger, "handlers", [])
+  vllm_console.quiet(asked)
+  assert not logger.handlers

@@ -25,6 +25,7 @@ import pytest
 from exgrpo_jax import generate
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.sampling import vllm_console
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
 from tests import conftest
@@ -118,6 +119,10 @@ def test_the_parity_script_prints_its_figures():
       capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout)  # vLLM's log goes to stderr
+  # Only what a user can act on: none of the warnings the engine's own choices cause.
+  expected = [line for line in proc.stderr.splitlines()
+              if any(text in line for text in vllm_console.EXPECTED)]
+  assert not expected, expected
   for figures in result["parameters"].values():
     assert figures["greedy_rows_identical"] == figures["greedy_rows"] == 2
     assert figures["sampled_logprobs_vs_learner"]["max_abs"] < 1e-3

@@ -66,6 +66,7 @@ from exgrpo_jax.models import hf_keys
 from exgrpo_jax.models import loading
 from exgrpo_jax.sampling import base
 from exgrpo_jax.sampling import outputs
+from exgrpo_jax.sampling import vllm_console
 from exgrpo_jax.sampling import vllm_setup
 
 
@@ -279,11 +280,9 @@ class VllmEngine:
 
   def __init__(self, model_cfg, tokenizer, options: vllm_setup.VllmOptions | None = None,
                ignore_eos: bool = False, **llm_kwargs):
-    # vLLM logs every start-up step at INFO, to stdout (read when vllm is first
-    # imported): warnings only, to stderr, keep stdout to a run's progress lines and a
-    # script's JSON; VLLM_LOGGING_LEVEL=INFO brings the rest back.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # Before vllm is first imported: its warnings that matter, to stderr, so stdout keeps
+    # a run's progress lines and a script's JSON.
+    vllm_console.quiet()
     self.platform = check_available()
     other = VllmEngine._running and VllmEngine._running()
     if other is not None and other.llm is not None:
