@@ -94,6 +94,12 @@ def base_config() -> ml_collections.ConfigDict:
       # jax engine: continuous | static. continuous: rows beyond max_rows wait for a free
       # slot, and from 512 new tokens on the tail shrinks to the live rows (the same rows).
       scheduler="continuous",
+      # jax engine, continuous: the KV pool's capacity in pages of 64 tokens (0 = every
+      # slot's row at its longest). Below that, rows are admitted while pages are free and
+      # the newest are preempted (recomputed later) when they run out; kv_headroom is the
+      # share of pages kept free when admitting beside running rows.
+      kv_pages=0,
+      kv_headroom=0.1,
       # vllm engine (exgrpo_jax/sampling/vllm_setup.py; docs/vllm.md, "Settings"); its
       # max_model_len is data.max_prompt_tokens + the longest max_new_tokens.
       vllm=ml_collections.ConfigDict(dict(

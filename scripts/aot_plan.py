@@ -190,11 +190,11 @@ def pool_bound(report: dict, page_size: int = 64) -> float:
   the rollout's weights, the decode's temporaries), over a full-length row's KV bytes
   per device (the engine's pages of `page_size`, KV heads split by tensor where they
   divide, rows by the batch axes)."""
-  from exgrpo_jax.sampling import jax_engine  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.sampling import decode  # pylint: disable=g-import-not-at-top
   m, b, mesh = report["model"], report["batch"], report["mesh"]
   tensor = mesh.get("tensor", 1)
   kv_heads = m["kv_heads"] // tensor if m["kv_heads"] % tensor == 0 else m["kv_heads"]
-  length = jax_engine.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]
+  length = decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]
   row_bytes = (-(-length // page_size) * page_size * 2 * kv_heads * (m["hidden"] // m["heads"])
                * 2 * m["layers"] / (report["devices"] // tensor))
   decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")

@@ -72,6 +72,8 @@ def test_shipped_configs_pass(name, variant):
     ("algo.tis_cap", -2.0, r"config.algo.tis_cap=-2.0: must be 0 or None"),
     ("algo.tis_cap", float("inf"), r"config.algo.tis_cap=inf: must be 0 or None"),
     ("algo.tis_cap", float("nan"), r"config.algo.tis_cap=nan: must be 0 or None"),
+    ("rollout.kv_pages", -1, r"config.rollout.kv_pages=-1: must be a number in \[0, inf\]"),
+    ("rollout.kv_headroom", 1.0, r"config.rollout.kv_headroom=1.0: must be below 1"),
 ])
 def test_bad_value_is_one_clear_error(key, value, message):
   c = _config()
@@ -91,6 +93,16 @@ def test_every_bad_value_gets_its_own_line():
   assert [l.split(":")[0] for l in lines] == [
       "config.rollout.k=1", "config.rollout.vllm.max_num_seqs=0",
       "config.rollout.vllm.dtype='foo'", "config.algo.rho=2.0", "config.optim.mini_batches=0"]
+
+
+def test_a_kv_pool_size_needs_the_continuous_scheduler():
+  c = _config()
+  c.rollout.kv_pages, c.rollout.scheduler = 40, "static"
+  with pytest.raises(config_check.ConfigError, match=r"config.rollout.kv_pages=40: needs "
+                                                     r"rollout.scheduler='continuous'"):
+    config_check.check(c)
+  c.rollout.scheduler = "continuous"
+  config_check.check(c)
 
 
 def test_vllm_settings_with_the_jax_engine_are_refused():

@@ -99,8 +99,9 @@ def qwen2_model():
   return _qwen2_model()
 
 
-def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3):
-  engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=4, page_size=4)
+def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3, **options):
+  engine = sampling.make_engine("jax", cfg, None, max_rows=slots, chunk_steps=4, page_size=4,
+                                **options)
   layouts, grown = [], []
   empty = engine.compiled
 
@@ -120,7 +121,8 @@ def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3):
   _fill_interpreter_gaps(monkeypatch)
   with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
     out = engine.generate(PROMPTS, COUNTS, params, jax.random.key(1), GREEDY)
-  assert layouts == [kernel] and any(grown)
+  # A pool of one row's pages (kv_pages) has one size: it never grows.
+  assert layouts == [kernel] and any(grown) != ("kv_pages" in options)
   return out, engine.stats
 
 
@@ -136,6 +138,17 @@ def test_kernel_path_gives_the_xla_paths_rows(qwen2_model, monkeypatch):
   ref, ref_stats = _generate(cfg, params, monkeypatch, kernel=False)
   out, stats = _generate(cfg, params, monkeypatch, kernel=True)
   assert len(set(ref.lengths_N)) > 2 and stats["prefills"] == ref_stats["prefills"]
+  _assert_same_rows(out, ref)
+
+
+def test_kernel_path_with_preempted_rows_gives_the_xla_paths_rows(qwen2_model, monkeypatch):
+  """A pool of one row at its longest (pages of 4 for a prompt bucket of 32 and 24 new
+  tokens: 14) beside 3 slots, every row running to its longest: rows are preempted, and
+  resume into the kernel's layout."""
+  cfg, params = qwen2_model
+  ref, _ = _generate(cfg, params, monkeypatch, kernel=False, ignore_eos=True)
+  out, stats = _generate(cfg, params, monkeypatch, kernel=True, ignore_eos=True, kv_pages=14)
+  assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
   _assert_same_rows(out, ref)
 
 

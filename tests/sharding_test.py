@@ -133,9 +133,41 @@ def _child(outdir: str) -> None:
           greedy)
       summary[name].update(continuous_3_slots=out.tokens_NxT.tolist(),
                            continuous_3_slots_logp=out.logprobs_NxT.tolist())
+      summary[name].update(_preempting(cfg, jax.device_put(sample_params, param_shardings),
+                                       prompts, greedy, mesh))
     np.savez(os.path.join(outdir, f"{name}.npz"), *map(np.asarray, jax.tree.leaves(params)))
   with open(os.path.join(outdir, "summary.json"), "w") as f:
     json.dump(summary, f)
+
+
+def _preempting(cfg, params, prompts, greedy, mesh) -> dict:
+  """The rows through a pool of one row at its longest per shard (7 pages of 4 for 16
+  prompt + 12 new addresses) and two slots a shard, so rows are preempted: their tokens,
+  the preemptions, and how many pages a live row held outside its slot's shard."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import sampling  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.sampling import pages  # pylint: disable=g-import-not-at-top
+  shards = sharding.batch_shards(mesh)
+  engine = sampling.make_engine("jax", cfg, None, max_rows=2 * shards, chunk_steps=4,
+                                page_size=4, kv_pages=7 * shards)
+  outside, fit = [], pages.PageTable.fit
+
+  def checked_fit(table, ends_B):
+    source_Q = fit(table, ends_B)
+    per_slot, per_page = table.slots // table.shards, table.pages // table.shards
+    for b, row in enumerate(table.table_BxN):
+      held = row[row >= 0]
+      outside.extend(held[held // per_page != b // per_slot].tolist())
+    return source_Q
+
+  pages.PageTable.fit = checked_fit
+  try:
+    out = engine.generate(prompts, 3, params, jax.random.key(2), greedy)
+  finally:
+    pages.PageTable.fit = fit
+  return dict(preempted=out.tokens_NxT.tolist(), preempted_logp=out.logprobs_NxT.tolist(),
+              preemptions=engine.stats["preemptions"], pages_outside_shard=len(outside))
 
 
 def _repage_on(mesh) -> dict:
@@ -242,10 +274,19 @@ def test_sharded_greedy_sampling_matches_one_device(measured, mesh):
   # Fewer slot-steps than 8 per step: the tail ran in fewer slots (not on 8x1, where the
   # slots must stay 8-way split).
   assert (summary[mesh]["tail_slot_steps"] < 0) == (mesh == "2x4")
-  for name in ("greedy", "continuous", "continuous_3_slots"):
+  for name in ("greedy", "continuous", "continuous_3_slots", "preempted"):
     np.testing.assert_array_equal(summary[mesh][name], tokens)
     np.testing.assert_allclose(summary[mesh][name + "_logp"], summary["single"]["greedy_logp"],
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", SAMPLING_MESHES)
+def test_preempted_rows_keep_their_pages_in_their_shard(measured, mesh):
+  """A pool of one row per shard, two slots a shard: rows are preempted and resumed (the
+  rows equal one device's, above), and a running row's pages never leave its shard."""
+  summary, _ = measured
+  assert summary[mesh]["preemptions"] > 0
+  assert summary[mesh]["pages_outside_shard"] == 0
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -268,3 +268,21 @@ def test_evaluation_on_vllm_says_no_sampler_compile(capsys):
       "[exgrpo_jax] step 0: evaluating on 40 problems, 2 samples each"]
   notices.evaluating(0, 40, 2)
   assert "compiling the sampler's programs" in capsys.readouterr().err
+
+
+def test_a_step_logs_the_rollouts_preemptions(tmp_path):
+  """rollout.kv_pages of one row at its longest (a prompt bucket of 48 and 48 new
+  tokens: 2 pages of 64) for the step's 16 rows: two rows start, and once the first
+  needs its second page the other is preempted; the step says how many, and how many of
+  their tokens were prefilled again."""
+  small = _trainer(tmp_path / "small", rollout__kv_pages=2, rollout__kv_headroom=0.0,
+                   rollout__max_new_tokens=48, train__export_dir="")
+  full = _trainer(tmp_path / "full", rollout__max_new_tokens=48, train__export_dir="")
+  try:
+    metrics = small.train_step()
+    assert metrics["rollout/preemptions"] > 0 and metrics["rollout/recomputed_tokens"] > 0
+    metrics = full.train_step()
+    assert metrics["rollout/preemptions"] == metrics["rollout/recomputed_tokens"] == 0
+  finally:
+    small.close()
+    full.close()

@@ -31,7 +31,6 @@ from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import decode
-from exgrpo_jax.sampling import jax_engine
 from exgrpo_jax.sampling import pages
 from exgrpo_jax.sampling import paged_kernel
 from exgrpo_jax.sampling import slots as slots_lib
@@ -126,7 +125,7 @@ def rollout_key(engine, sampling_cfg, rows: int, prompt_len: int) -> tuple:
   N = sampling_cfg.max_new_tokens
   slots = engine.continuous_slots(rows, N)
   return (slots or decode.bucket(min(rows, engine.max_rows or rows)), N,
-          jax_engine.length_bucket(prompt_len, engine.min_prompt_bucket),
+          decode.length_bucket(prompt_len, engine.min_prompt_bucket),
           sampling_cfg.is_greedy, sampling_cfg.top_k, sampling_cfg.top_p < 1.0,
           sampling_cfg.return_entropy)
 
@@ -136,7 +135,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   """The programs `engine.generate` runs for `rows` rows of `prompts` prompts, while
   `learner_state` (parameters, optimizer state) stays on the devices."""
   N = sampling_cfg.max_new_tokens
-  L = jax_engine.length_bucket(prompt_len, engine.min_prompt_bucket)
+  L = decode.length_bucket(prompt_len, engine.min_prompt_bucket)
   pcfg = engine.program_cfg
   E = len(engine.eos_ids)
   scalars = tuple(_struct((), dtype, mesh) for dtype in (jnp.float32, jnp.float32, bool)) + (
@@ -208,7 +207,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
       Program(prefix + "place", f"{A} admitted rows into slots and pages", slots_lib.place,
               lambda out: (grown(out), out[prefix + "admit"][0], i32(A),
                            i32(A, -(-L // engine.page_size)),
-                           _struct((A,), _key_dtype(), mesh)),
+                           _struct((A,), _key_dtype(), mesh), i32(A)),
               calls=-(-rows // A), resident=weights),
       Program(prefix + "select", f"the live half of {slots} slots", slots_lib.select,
               lambda out: (grown(out).replace(caches=()), i32(slots // 2)), dict(mesh=mesh),

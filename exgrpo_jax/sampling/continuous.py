@@ -33,6 +33,7 @@ which docs/sampler_performance.md measures, is a host round trip per chunk and u
 `steps` - 1 idle steps of a slot whose row ends inside a chunk.
 """
 
+import collections
 import time
 
 import jax
@@ -62,12 +63,17 @@ POOL_SIZES = 8
 
 
 def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, prompt_len,
-             slots: int, page_size: int):
+             slots: int, page_size: int, capacity: int | None = None,
+             headroom: float = 0.0, preempt=None):
   """Decodes rows `rows_R` (global row ids) of prompts `prompt_index_R` in `slots` slots.
 
   `engine` is the calling `JaxEngine` (EOS ids, pad id, tokenizer, chunk length, compiled
   programs and stats); `prompt_len` is the bucketed prompt length L; the KV cache is a
-  pool of pages of `page_size` slots. Returns the raw per-row dict `outputs.finalize`
+  pool of pages of `page_size` slots, of at most `capacity` pages (None: every slot's row
+  at its longest). Below that, a row is admitted only while its shard has the pages for
+  its next chunk and `headroom` of the pool to spare, and when a shard runs out, its
+  newest rows are preempted (`_preempted`). `preempt(chunk, slot_row_B)` (tests) names
+  more slots to preempt before a chunk. Returns the raw per-row dict `outputs.finalize`
   takes, as the static loop does.
   """
   R, N, B = len(rows_R), sampling.max_new_tokens, slots
@@ -78,7 +84,8 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
                  np.bool_(sampling.is_greedy), np.asarray(engine.eos_ids, np.int32)))
   options = dict(sampling.program_options(), steps=engine.chunk_steps)
   shards = sharding.batch_shards(mesh)
-  table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, shards)
+  table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, shards, capacity)
+  keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
@@ -93,38 +100,65 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   ent_RxN = np.zeros((R, N), np.float32) if sampling.return_entropy else None
   lengths_R = np.zeros(R, np.int32)
   slot_row_B = np.full(B, -1)
-  waiting = 0
+  admitted_B = np.zeros(B, np.int64)  # each slot's row's admission number (newest: most)
+  admissions = 0
+  pending = collections.deque(range(R))  # rows to admit; preempted ones go first
+  end_of = lambda r: prompt_len_R[r] + min(lengths_R[r] + engine.chunk_steps, N)
+  chunk = 0
   while True:
-    free = _free_slots(slot_row_B, shards)[:R - waiting]
-    new_rows = np.arange(waiting, waiting + free.size)
-    for b in free:
+    ends_B = np.array([end_of(r) if r >= 0 else 0 for r in slot_row_B])
+    stopped_B = np.zeros(B, bool)
+
+    def stop(b):  # preempts slot b's row: it waits first in line, its tokens kept
+      pending.appendleft(slot_row_B[b])
+      slot_row_B[b], ends_B[b], stopped_B[b] = -1, 0, True
       table.release(b)
-    slot_row_B[free] = new_rows
-    waiting += free.size
+      engine.stats["preemptions"] += 1
+
+    for b in [] if preempt is None else preempt(chunk, slot_row_B.copy()):
+      stop(b)
+    for b in _preempted(table, ends_B, admitted_B, shards):
+      stop(b)
+    if stopped_B.any():
+      state = slots_lib.release(state, put(stopped_B))
+    free, new_rows = [], []
+    for b in _free_slots(slot_row_B, shards):
+      if pending and table.room(b, end_of(pending[0]), ends_B,
+                                keep_free if (slot_row_B >= 0).any() else 0):
+        free.append(b)
+        new_rows.append(pending.popleft())
+        table.release(b)
+        admissions += 1
+        slot_row_B[b], ends_B[b], admitted_B[b] = new_rows[-1], end_of(new_rows[-1]), admissions
+    free, new_rows = np.array(free, np.int64), np.array(new_rows, np.int64)
     if (slot_row_B < 0).all():
       break
     # Not in a round that admits rows: they are placed below, into the slots they have.
-    keep_C = _tail_slots(slot_row_B, shards) if waiting == R and not free.size else None
+    keep_C = _tail_slots(slot_row_B, shards) if not pending and not free.size else None
     if keep_C is not None:  # the pool stays where it is: only the slots' state moves
       args = (state.replace(caches=()), put(keep_C))
       state = engine.compiled(slots_lib.select, args, dict(mesh=mesh), takes_cfg=False)(
           *args).replace(caches=state.caches)
       table.select(keep_C)
-      slot_row_B, B = slot_row_B[keep_C], keep_C.size
-    live = slot_row_B >= 0
-    source_Q = table.fit(np.where(live, prompt_len_R[slot_row_B] + np.minimum(
-        lengths_R[slot_row_B] + engine.chunk_steps, N), 0))
+      slot_row_B, admitted_B, ends_B = slot_row_B[keep_C], admitted_B[keep_C], ends_B[keep_C]
+      B = keep_C.size
+    source_Q = table.fit(ends_B)
     if source_Q is not None:  # the old pool's only references go to `repage`'s list
       caches, state = list(state.caches), state.replace(caches=())
       slots_lib.repage(engine.compiled, caches, put(source_Q.astype(np.int32)), mesh)
       state = state.replace(caches=tuple(caches))
     if free.size:
       admit_start = time.perf_counter()
-      state, carry = admitter(state, carry, new_rows, free)
+      resumed = lengths_R[new_rows] > 0
+      state, carry = admitter(state, carry, new_rows[~resumed], free[~resumed])
+      if resumed.any():
+        state = admitter.resume(state, new_rows[resumed], free[resumed],
+                                tokens_RxN, lengths_R)
       engine.stats["admit_s"] += time.perf_counter() - admit_start
     args = (params, layers, state, *put(table.device_args()), *scalars)
     state, out = engine.compiled(slots_lib.decode_chunk, args, options)(*args)
     out = sharding.to_host(out)
+    chunk += 1
     host_start = time.perf_counter()
     taken = int(out["taken"])
     engine.stats["decode_steps"] += taken
@@ -140,7 +174,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       lengths_R[r] = end
       if out["done_B"][b]:
         slot_row_B[b] = -1
-        if waiting < R:  # a refill inside the chunk would have used these steps
+        if pending:  # a refill inside the chunk would have used these steps
           engine.stats["chunk_idle_steps"] += taken - int(end - start)
       elif sampling.stop_strings and _stopped(engine.tokenizer, tokens_RxN[r, :end], start,
                                               sampling.stop_strings):
@@ -153,6 +187,23 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   last_R = tokens_RxN[np.arange(R), np.maximum(lengths_R - 1, 0)]
   return dict(tokens_BxN=tokens_RxN, logprobs_BxN=logp_RxN, entropy_BxN=ent_RxN,
               lengths_B=lengths_R, eos_B=(lengths_R > 0) & np.isin(last_R, engine.eos_ids))
+
+
+def _preempted(table, ends_B, admitted_B, shards: int) -> list[int]:
+  """The slots to preempt so that every shard holds its live rows' next chunk: in each
+  shard that cannot, its newest rows (the last admitted) until it can, as vLLM's
+  scheduler does. The oldest row always stays: a row at its longest fits a shard."""
+  per = ends_B.size // shards
+  ends_B, out = ends_B.copy(), []
+  for s in np.flatnonzero(table.need(ends_B) > table.capacity_per_shard):
+    mine = np.arange(s * per, (s + 1) * per)
+    for b in mine[np.argsort(-admitted_B[mine])]:
+      if table.need(ends_B)[s] <= table.capacity_per_shard:
+        break
+      if ends_B[b]:
+        out.append(int(b))
+        ends_B[b] = 0
+  return out
 
 
 def _free_slots(slot_row_B, shards: int):
@@ -224,6 +275,33 @@ class _Admitter:
       first += len(sources)
     return state, carry
 
+  def resume(self, state, rows, slot_of_row, tokens_RxN, lengths_R):
+    """Places preempted rows `rows` back, into slots `slot_of_row`: each row's prompt and
+    the tokens it had emitted run through the model again (`slots.resume`), and it
+    goes on from its step count, with its own key."""
+    A = self.rows_per_call
+    for first in range(0, len(rows), A):
+      part, slots = rows[first:first + A], slot_of_row[first:first + A]
+      seqs = [np.concatenate([np.asarray(self.prompt_ids[self.prompt_index_R[r]], np.int32),
+                              tokens_RxN[r, :lengths_R[r]]]) for r in part]
+      M = decode.length_bucket(max(map(len, seqs)), self.L)
+      seq_AxM = np.full((A, M), self.engine.pad_id, np.int32)
+      valid_AxM = np.zeros((A, M), bool)
+      for a, seq in enumerate(seqs):
+        seq_AxM[a, M - len(seq):], valid_AxM[a, M - len(seq):] = seq, True
+      self.engine.stats["recomputed_tokens"] += int(lengths_R[part].sum())
+      args = (self.params, *self.put((seq_AxM, valid_AxM)))
+      rows_state = self.engine.compiled(slots_lib.resume, args, {})(*args)
+      slot_A = np.full(A, self.B, np.int32)  # B: out of range, dropped
+      slot_A[:len(slots)] = slots
+      steps_A = np.zeros(A, np.int32)
+      steps_A[:len(part)] = lengths_R[part]
+      keys_A = jnp.take(self.row_keys_R, jnp.asarray(np.resize(part, A)), axis=0)
+      args = (state, rows_state, *self.put((slot_A, self.table.prompt_pages(slot_A, M))),
+              keys_A, self.put(steps_A))
+      state = self.engine.compiled(slots_lib.place, args, {}, takes_cfg=False)(*args)
+    return state
+
   def _call(self, state, carry, rows, new_prompts, sources, slot_of_row):
     A, L = self.rows_per_call, self.L
     self.engine.stats["prefills"] += len(new_prompts)
@@ -241,5 +319,6 @@ class _Admitter:
     args = (self.params, carry, *self.put((prompt_PxL, valid_PxL, source_A)),
             self.put(np.int32(sources[-1])))
     admitted, carry = self.engine.compiled(slots_lib.admit, args, {})(*args)
-    args = (state, admitted, *self.put((slot_A, self.table.prompt_pages(slot_A))), keys_A)
+    args = (state, admitted, *self.put((slot_A, self.table.prompt_pages(slot_A))), keys_A,
+            self.put(np.zeros(A, np.int32)))
     return self.engine.compiled(slots_lib.place, args, {}, takes_cfg=False)(*args), carry

@@ -102,6 +102,13 @@ def bucket(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
 
 
+def length_bucket(n: int, minimum: int) -> int:
+  """n rounded up to a multiple of max(minimum, next power of two / 8): 4 lengths per
+  doubling, under 1/4 of padding (prompt lengths; a preempted row's tokens)."""
+  step = max(minimum, (1 << max(n - 1, 0).bit_length()) // 8)
+  return -(-n // step) * step
+
+
 def phases_for(max_new_tokens: int) -> int:
   """How many phases the decode loop's cache grows in (see `generate`)."""
   return 1 if max_new_tokens < _LONG_ROLLOUT else _PHASES

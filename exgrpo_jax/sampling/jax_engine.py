@@ -55,12 +55,6 @@ CONTINUOUS_FROM = 512
 _COMPILED = {}
 
 
-def length_bucket(n: int, minimum: int) -> int:
-  """n rounded up to a multiple of max(minimum, next power of two / 8)."""
-  step = max(minimum, (1 << max(n - 1, 0).bit_length()) // 8)
-  return -(-n // step) * step
-
-
 @base.ENGINES.register("jax")
 class JaxEngine:
   """Generates with `exgrpo_jax.sampling.decode.generate` on the default JAX devices.
@@ -80,6 +74,12 @@ class JaxEngine:
     chunk_steps: continuous scheduling's decode steps per device call (rows that end
       inside a chunk leave their slot idle until its end).
     page_size: continuous scheduling's KV-cache page, in slots (`continuous`).
+    kv_pages: the most pages the continuous KV pool holds (`rollout.kv_pages`); None:
+      every slot's row at its longest. Below that, rows are admitted while their shard
+      has pages for their next chunk and preempted when it runs out (`continuous`); with
+      it, rows always decode continuously.
+    kv_headroom: the share of the pool's pages kept free when admitting a row beside
+      running ones (`rollout.kv_headroom`): fewer preemptions.
     continuous_from: the fewest max_new_tokens at which "continuous" schedules rows that
       all have a slot too (see the module docstring); None: only rows that wait.
   """
@@ -88,7 +88,8 @@ class JaxEngine:
                max_rows: int | None = None, ignore_eos: bool = False,
                rules=sharding.SAMPLER_RULES, cache_phases: int | None = None,
                scheduler: str = "continuous", chunk_steps: int = 16, page_size: int = 64,
-               continuous_from: int | None = CONTINUOUS_FROM):
+               continuous_from: int | None = CONTINUOUS_FROM, kv_pages: int | None = None,
+               kv_headroom: float = 0.0):
     if cache_phases is not None and cache_phases < 1:
       raise ValueError(f"cache_phases must be None or >= 1, got {cache_phases}")
     if scheduler not in SCHEDULERS:
@@ -102,6 +103,11 @@ class JaxEngine:
       raise ValueError(f"continuous_from must be None or >= 0, got {continuous_from}")
     if max_rows is not None and max_rows < 1:
       raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
+    if kv_pages is not None and (kv_pages < 1 or scheduler != "continuous"):
+      raise ValueError(f"kv_pages={kv_pages} needs the continuous scheduler and >= 1 page")
+    if not 0 <= kv_headroom < 1:
+      raise ValueError(f"kv_headroom must be in [0, 1), got {kv_headroom}")
+    self.kv_pages, self.kv_headroom = kv_pages, kv_headroom
     self.scheduler, self.chunk_steps, self.page_size = scheduler, chunk_steps, page_size
     self.continuous_from = continuous_from
     self.cache_phases = cache_phases
@@ -125,10 +131,13 @@ class JaxEngine:
     # prefills: prompts run through the model (padding excluded). Continuous scheduling
     # only: chunk_idle_steps, slot-steps of slots whose row ended inside a chunk while rows
     # were waiting; host_s, admit_s: host time between chunks, and admissions (dispatch
-    # only: admissions run on the device while the host goes on).
+    # only: admissions run on the device while the host goes on); preemptions, rows
+    # stopped for want of pages, and recomputed_tokens, the tokens they had emitted,
+    # prefilled again when they resumed.
     self.stats = dict(compiles=0, compile_s=0.0, generate_s=0.0, calls=0, new_tokens=0,
                       decode_steps=0, slot_steps=0, attended_slots=0, prefills=0,
-                      chunk_idle_steps=0, host_s=0.0, admit_s=0.0, memory={})
+                      chunk_idle_steps=0, host_s=0.0, admit_s=0.0, preemptions=0,
+                      recomputed_tokens=0, memory={})
 
   def update_weights(self, params) -> None:
     """Nothing to do: the current params are an argument of every call."""
@@ -155,7 +164,8 @@ class JaxEngine:
     if slots:
       parts = [continuous.generate(
           self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
-          sampling, self._prompt_bucket(prompt_ids, prompt_index_N), slots, self.page_size)]
+          sampling, self._prompt_bucket(prompt_ids, prompt_index_N), slots, self.page_size,
+          self.kv_pages, self.kv_headroom)]
     else:
       parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key,
                                    sampling) for rows in self._split(counts)]
@@ -190,7 +200,8 @@ class JaxEngine:
       return 0
     if self.max_rows is not None and rows > self.max_rows:
       slots = self.max_rows
-    elif self.continuous_from is None or max_new_tokens < self.continuous_from:
+    elif self.kv_pages is None and (self.continuous_from is None
+                                    or max_new_tokens < self.continuous_from):
       return 0
     else:
       slots = decode.bucket(rows)  # the static loop's batch for these rows
@@ -256,7 +267,8 @@ class JaxEngine:
 
   def _prompt_bucket(self, prompt_ids, prompts) -> int:
     """The bucketed length L of these prompts' left-padded batch."""
-    return length_bucket(max(len(prompt_ids[p]) for p in prompts), self.min_prompt_bucket)
+    return decode.length_bucket(max(len(prompt_ids[p]) for p in prompts),
+                                self.min_prompt_bucket)
 
   def compiled(self, program, args, static, takes_cfg: bool = True):
     """`program` (jitted; the model config its first argument if `takes_cfg`) compiled

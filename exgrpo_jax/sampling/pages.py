@@ -6,8 +6,12 @@ cut into pages of T addresses, and its page j (addresses jT to jT + T - 1) is th
 page `table_BxN[b, j]` (-1: none). A row gets each page only when its next chunk reaches
 it, so the pool holds what the live rows have written, not B times the longest row. The
 pool takes one of a few sizes (steps of at least a row's pages, multiples of the mesh's
-batch split); `fit` picks the smallest that holds the next chunk's pages and, when that
-changes, the pool's new page order (`slots.repage`): the held pages first.
+batch split) up to its capacity (`capacity`, `rollout.kv_pages`; by default every slot's
+row at its longest); `fit` picks the smallest that holds the next chunk's pages and,
+when that changes, the pool's new page order (`slots.repage`): the held pages first.
+Below that default the pool cannot hold every slot's row at its longest: the scheduler
+admits a row only where its shard has the pages for its next chunk, and preempts rows
+when they run out (`continuous`), using `need`, `room` and `capacity_per_shard`.
 
 On a mesh the slots and the pool's pages are both split over the batch axes into
 `shards` equal parts; a row's pages are always in its slot's part of the pool, so the
@@ -23,16 +27,24 @@ class PageTable:
   """Pages of a pool of `pages` pages, held by B slots (see the module docstring)."""
 
   def __init__(self, slots: int, page_size: int, prompt_len: int, max_new_tokens: int,
-               sizes: int, shards: int):
+               sizes: int, shards: int, capacity: int | None = None):
     self.T, self.L, self.shards = page_size, prompt_len, shards
     pages_per_row = -(-(prompt_len + max_new_tokens) // page_size)
-    full = slots * pages_per_row  # every slot at its longest: the static loop's cache
+    round_up = lambda n, m: -(-n // m) * m
+    # Every slot at its longest (the static loop's cache), or less where asked.
+    full = round_up(slots * pages_per_row, shards)
+    if capacity is not None:
+      if capacity // shards < pages_per_row:
+        raise ValueError(
+            f"rollout.kv_pages={capacity}: {capacity // shards} pages per shard of the "
+            f"rollout's {shards}, fewer than one row at its longest ({pages_per_row} pages "
+            f"of {page_size} for {prompt_len} prompt + {max_new_tokens} new tokens), which "
+            "could never finish; raise it or lower rollout.max_new_tokens")
+      full = min(full, capacity // shards * shards)
     # Sizes step by 1/`sizes` of that, but never by less than a row's pages: more sizes
     # would mean more programs to compile for short rollouts, for little saved.
-    round_up = lambda n, m: -(-n // m) * m
     unit = round_up(max(-(-full // sizes), pages_per_row), shards)
-    self.sizes = [min(unit * k, round_up(full, shards))
-                  for k in range(1, -(-full // unit) + 1)]
+    self.sizes = [min(unit * k, full) for k in range(1, -(-full // unit) + 1)]
     self.table_BxN = np.full((slots, pages_per_row), -1)
     self.owner_P = np.full(self.sizes[0], -1)  # the slot holding each page (-1: free)
 
@@ -66,6 +78,23 @@ class PageTable:
   def _shard_of_slot(self, b):
     return b // (self.slots // self.shards)
 
+  @property
+  def capacity_per_shard(self) -> int:
+    return self.sizes[-1] // self.shards
+
+  def need(self, ends_B: np.ndarray) -> np.ndarray:
+    """[shards]: the pages each shard's slots need for their addresses below `ends_B`."""
+    return np.bincount(self._shard_of_slot(np.arange(self.slots)),
+                       weights=-(-np.asarray(ends_B) // self.T), minlength=self.shards)
+
+  def room(self, b: int, end: int, ends_B: np.ndarray, keep_free: int) -> bool:
+    """Whether slot b's shard has the pages for a row's addresses below `end` beside its
+    other slots' below `ends_B`, with `keep_free` pages to spare (an empty shard always
+    does: one row at its longest fits, `__init__` checks)."""
+    s = self._shard_of_slot(b)
+    need = self.need(ends_B)[s]
+    return not need or need + -(-end // self.T) + keep_free <= self.capacity_per_shard
+
   def fit(self, ends_B: np.ndarray) -> np.ndarray | None:
     """Gives each slot b the pages of its addresses below `ends_B[b]` (0: none).
 
@@ -74,9 +103,11 @@ class PageTable:
     else None.
     """
     last_B = -(-ends_B // self.T)
-    need_S = np.bincount(self._shard_of_slot(np.arange(self.slots)), weights=last_B,
-                         minlength=self.shards)
-    size = next(s for s in self.sizes if s // self.shards >= need_S.max())
+    need = self.need(ends_B).max()
+    if need > self.capacity_per_shard:
+      raise ValueError(f"the next chunk needs {need:.0f} pages of a shard, more than the "
+                       f"pool's {self.capacity_per_shard} (the scheduler preempts first)")
+    size = next(s for s in self.sizes if s // self.shards >= need)
     source_Q = None
     if size != self.pages:
       held = np.flatnonzero(self.owner_P >= 0)
@@ -112,10 +143,13 @@ class PageTable:
     return (np.where(self.table_BxN >= 0, self.table_BxN, P).astype(np.int32),
             np.where(self.owner_P >= 0, self.owner_P, B).astype(np.int32), base_P)
 
-  def prompt_pages(self, slot_A: np.ndarray) -> np.ndarray:
-    """[A, ceil(L / T)]: the pool pages of the prompts of the rows in slots `slot_A`
-    (out of range: no row) for `slots.place`; P where there is none."""
-    N = -(-self.L // self.T)
+  def prompt_pages(self, slot_A: np.ndarray, length: int | None = None) -> np.ndarray:
+    """[A, ceil(length / T)]: the pool pages of the first `length` (default: the prompt
+    bucket L) addresses of the rows in slots `slot_A` (out of range: no row) for
+    `slots.place`; P where there is none."""
+    N = -(-(length or self.L) // self.T)
     rows = self.table_BxN[np.minimum(slot_A, self.slots - 1), :N]
     rows = np.where((slot_A < self.slots)[:, None] & (rows >= 0), rows, self.pages)
+    # A bucketed length may pass a row's last page: those addresses are padding.
+    rows = np.pad(rows, [(0, 0), (0, N - rows.shape[1])], constant_values=self.pages)
     return rows.astype(np.int32)

@@ -1,5 +1,5 @@
-"""The device programs of continuous batching (`continuous`): empty, admit, place, repage,
-select, decode, release.
+"""The device programs of continuous batching (`continuous`): empty, admit, resume, place,
+repage, select, decode, release.
 
 The keys and values of every slot's row live in one pool of P pages of T slots
 (`decode_layer.Paged`), per layer a (k_PxKxDhxT, v_PxKxTxDh) pair or, on TPU, one array
@@ -125,10 +125,25 @@ def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
   return rows, (jax.lax.dynamic_slice_in_dim(logits_QxV, carry_source, 1), carry_cache)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def resume(cfg, params, seq_AxM, valid_AxM):
+  """The state of A preempted rows, as `admit` hands rows to `place`: each row's prompt
+  and the tokens it had emitted (left-padded to M) run through the model again, so its
+  cache holds every address up to its newest token and its logits predict the next."""
+  logits_AxV, cache = decode.prefill(cfg, params, seq_AxM, valid_AxM)
+  return Admitted(
+      caches=tuple((cache.k_LxBxKxDhxS[i], cache.v_LxBxKxSxDh[i])
+                   for i in range(cfg.num_layers)),
+      logits_AxV=logits_AxV, prompt_len_A=jnp.sum(valid_AxM, axis=1, dtype=jnp.int32))
+
+
 @functools.partial(jax.jit, donate_argnames=("slots",))
-def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A):
-  """Puts `admit`'s rows into slots `slot_A` (B: no row), their prompts into pages
-  `pages_AxN` (the pool pages of addresses 0 .. N*T - 1; P: no page)."""
+def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A, steps_A):
+  """Puts `admit`'s or `resume`'s rows into slots `slot_A` (B: no row), their tokens
+  into pages `pages_AxN` (the pool pages of addresses 0 .. N*T - 1; P: no page). Row a
+  has emitted `steps_A[a]` of its tokens already (a resumed row): its prompt is its
+  first prompt_len_A - steps_A tokens, and it draws its next token with step key
+  steps_A[a], as it would have without the preemption."""
   A, L = rows.caches[0][0].shape[0], rows.caches[0][0].shape[-1]
   kernel = len(slots.caches[0]) == 1
   T = slots.caches[0][0].shape[1 if kernel else -1]
@@ -152,8 +167,8 @@ def place(slots: Slots, rows: Admitted, slot_A, pages_AxN, keys_A):
   put = lambda x, value: x.at[slot_A].set(value, mode="drop")
   return slots.replace(
       caches=caches, logits_BxV=put(slots.logits_BxV, rows.logits_AxV),
-      keys_B=put(slots.keys_B, keys_A), steps_B=put(slots.steps_B, 0),
-      prompt_len_B=put(slots.prompt_len_B, rows.prompt_len_A),
+      keys_B=put(slots.keys_B, keys_A), steps_B=put(slots.steps_B, steps_A),
+      prompt_len_B=put(slots.prompt_len_B, rows.prompt_len_A - steps_A),
       done_B=put(slots.done_B, False))
 
 

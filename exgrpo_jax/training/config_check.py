@@ -139,6 +139,13 @@ def _check(c) -> None:
   r = c.rollout
   _known("rollout.engine", r.engine, sampling.ENGINES.names())
   _known("rollout.scheduler", r.scheduler, sampling.SCHEDULERS)
+  _range(c, "rollout.kv_pages", 0)
+  _range(c, "rollout.kv_headroom", 0, 1)
+  _require(r.kv_headroom < 1, "rollout.kv_headroom", r.kv_headroom,
+           "must be below 1 (the share of the KV pool kept free when admitting)")
+  _require(not r.kv_pages or r.scheduler == "continuous", "rollout.kv_pages", r.kv_pages,
+           f"needs rollout.scheduler='continuous' (the static loop sizes its cache for "
+           f"every row at its longest), not {r.scheduler!r}")
   _range(c, "rollout.k", 2)
   _range(c, "rollout.temperature", 0)
   _range(c, "rollout.top_p", 0, 1, low_open=True)
@@ -253,6 +260,10 @@ def ignored(c) -> list[str]:
   if r.max_rows:
     lines.append(f"config.rollout.max_rows={r.max_rows} sizes the JAX sampler's KV cache; "
                  "the vllm engine ignores it (rollout.vllm.max_num_seqs bounds its batch)")
+  if r.kv_pages:
+    lines.append(f"config.rollout.kv_pages={r.kv_pages} sizes the JAX sampler's KV pool; "
+                 "the vllm engine ignores it (rollout.vllm.gpu_memory_utilization sizes "
+                 "its own)")
   if r.scheduler != "continuous":  # the default
     lines.append(f"config.rollout.scheduler={r.scheduler!r} is the JAX sampler's; the vllm "
                  "engine schedules its own rows")

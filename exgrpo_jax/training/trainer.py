@@ -44,6 +44,11 @@ from exgrpo_jax.training import run_log
 from exgrpo_jax.training import run_state
 
 
+# The JAX engine's counts of a step's rollout, logged as rollout/<name>: rows preempted
+# for want of KV pages, and the tokens they had emitted, prefilled again on resuming.
+_ROLLOUT_COUNTS = ("preemptions", "recomputed_tokens")
+
+
 def _refused_start_leftovers(workdir: str) -> list[str]:
   """The directories a start creates that a refused start removes again (if empty),
   innermost first: `checkpoints/`, and the workdir itself, where they do not exist yet."""
@@ -101,10 +106,11 @@ class Trainer:
     self._opened.append(st.close)
     run_guard.check_context([len(p.ids) for p in st.prompts], config.rollout.max_new_tokens,
                             st.model_cfg)
-    # max_rows bounds the JAX sampler's KV cache (docs/aot.md, "Memory plan").
-    options = ({"max_rows": config.rollout.max_rows or None,
-                "scheduler": config.rollout.scheduler} if config.rollout.engine == "jax" else
-               {"options": vllm_setup.VllmOptions.from_config(config)})
+    # max_rows and kv_pages bound the JAX sampler's KV cache (docs/aot.md, "Memory plan").
+    r = config.rollout
+    options = (dict(max_rows=r.max_rows or None, scheduler=r.scheduler,
+                    kv_pages=r.kv_pages or None, kv_headroom=r.kv_headroom)
+               if r.engine == "jax" else {"options": vllm_setup.VllmOptions.from_config(config)})
     self._owns_engine = engine is None
     self.engine = engine or sampling.make_engine(config.rollout.engine, st.model_cfg,
                                                  st.tokenizer, **options)
@@ -131,8 +137,11 @@ class Trainer:
     rng = np.random.default_rng([self.config.train.seed, step])
     with _timed(timings, "select"):
       groups = self.compose(rng)
+    stats = getattr(self.engine, "stats", {})
+    before = {k: stats[k] for k in _ROLLOUT_COUNTS if k in stats}
     with _timed(timings, "gen"):
       self.roll_out(groups, step)
+    rollout = {f"rollout/{k}": stats[k] - v for k, v in before.items()}
     with _timed(timings, "old_logprobs"):
       self.old_logps(groups)
     with _timed(timings, "reward"):
@@ -144,7 +153,7 @@ class Trainer:
     self.update_phase(float(groups_lib.rewards_QxK(groups).mean()))
     st.step = step
     timings["step"] = time.time() - t_step
-    return self._metrics(groups, summary, reward_stats, actor, timings)
+    return dict(self._metrics(groups, summary, reward_stats, actor, timings), **rollout)
 
   def compose(self, rng: np.random.Generator) -> list[groups_lib.Group]:
     """Steps 1-3: fresh groups (no responses yet), then replay groups holding the
