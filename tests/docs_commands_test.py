@@ -257,6 +257,10 @@ COMMANDS = [
             f"--config.train.seed=2 --workdir={{tmp}}/exgrpo_s2 {_TRAIN_SHORT}",
             expect=r"step 1/1", slow=True),
     # docs/sampler_performance.md
+    Command("python scripts/bench_admission.py",
+            run="{python} scripts/bench_admission.py --model {tiny_model} --rows 4 "
+            "--new-tokens 8 --budget-rows 1 --slots 4 --repeats 1",
+            expect=r'"rows_identical": 4'),
     Command("python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 "
             "--repeats 5 [--vllm-dtype bfloat16]",
             covered="tests/vllm_real_test.py::"
