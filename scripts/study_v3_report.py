@@ -27,6 +27,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study_v3  # pylint: disable=wrong-import-position
+from summarize_study import save_figure  # pylint: disable=wrong-import-position
 
 ARM_ORDER = ("onpolicy", "exgrpo", "noreplay", "delayed", "rho50", "onpolicy_b8", "exgrpo_b8")
 COLORS = dict(zip(ARM_ORDER, ("C0", "C1", "C2", "C3", "C4", "C5", "C6")))
@@ -135,7 +136,7 @@ def plot(result: dict, plots: str) -> list[str]:
                        if str(s) in r["evals"]]) for s in steps]
       ax.plot(steps, mean, color=COLORS[arm], linewidth=2.5)
     ax.set_title(f"held-out {score} (%), seeds thin, mean thick", fontsize=10)
-  paths.append(_save(fig, axes, plots, "study_v3_accuracy.png"))
+  paths.append(save_figure(fig, axes, plots, "study_v3_accuracy.png"))
   comparisons = [p for p in [result["primary"], *result["attribution"]] if p]
   fig, ax = plt.subplots(figsize=(7, 4))
   for i, p in enumerate(comparisons):
@@ -147,7 +148,7 @@ def plot(result: dict, plots: str) -> list[str]:
   ax.set_xticks(range(len(comparisons)), [p["pair"] for p in comparisons], fontsize=7,
                 rotation=15)
   ax.set_title("paired AUC difference (points): seeds, mean and 95% CI", fontsize=10)
-  paths.append(_save(fig, [ax], plots, "study_v3_paired.png", legend=False))
+  paths.append(save_figure(fig, [ax], plots, "study_v3_paired.png", per_step=False))
   names = ("entropy", "length", "on_ratio_max", "off_ratio_max", "grad_norm", "buffered",
            "replayed", "fresh_solved", "solve_none")
   fig, axes = plt.subplots(3, 3, figsize=(14, 10))
@@ -156,21 +157,8 @@ def plot(result: dict, plots: str) -> list[str]:
       curve = np.mean([r["curves"][name] for r in seeds.values()], axis=0)
       ax.plot(np.arange(1, len(curve) + 1), curve, color=COLORS[arm], label=arm)
     ax.set_title(f"{name}, mean over seeds", fontsize=10)
-  paths.append(_save(fig, axes.flat, plots, "study_v3_dynamics.png"))
+  paths.append(save_figure(fig, axes.flat, plots, "study_v3_dynamics.png"))
   return paths
-
-
-def _save(fig, axes, plots: str, name: str, legend: bool = True) -> str:
-  for ax in axes:
-    ax.set_xlabel("training step" if legend else "")
-    ax.grid(alpha=0.3)
-    if legend:
-      ax.legend(fontsize=7)
-  fig.tight_layout()
-  path = os.path.join(plots, name)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
 
 
 def main():

@@ -214,7 +214,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
                   marker="o", capsize=3, label=f"{method} (n={len(per_seed)})",
                   color=COLORS.get(method))
     ax.set_title(f"held-out {name} accuracy, mean ± std over seeds", fontsize=10)
-  paths.append(_save(fig, axes, out_dir, "study_accuracy.png"))
+  paths.append(save_figure(fig, axes, out_dir, "study_accuracy.png"))
   # Training steps only (the on-policy runs also log the step-0 evaluation).
   train = {method: [[r for r in rows if r["step"] > 0] for rows in per_seed.values()]
            for method, per_seed in runs.items()}
@@ -228,7 +228,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
       ax.plot(np.arange(1, n + 1), curve.mean(0), marker=".", label=method,
               color=COLORS.get(method))
     ax.set_title(title + ", mean over seeds", fontsize=10)
-  paths.append(_save(fig, axes.flat, out_dir, "study_dynamics.png"))
+  paths.append(save_figure(fig, axes.flat, out_dir, "study_dynamics.png"))
   if "exgrpo" in train:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     per_seed = train["exgrpo"]
@@ -241,15 +241,17 @@ def plot(result: dict, out_dir: str) -> list[str]:
       bottom += counts
     ax.set_title("ExGRPO buffer by bucket (correct rollouts of K = 4), mean over seeds",
                  fontsize=9)
-    paths.append(_save(fig, [ax], out_dir, "study_buckets.png"))
+    paths.append(save_figure(fig, [ax], out_dir, "study_buckets.png"))
   return paths
 
 
-def _save(fig, axes, out_dir: str, name: str) -> str:
+def save_figure(fig, axes, out_dir: str, name: str, per_step: bool = True) -> str:
+  """Writes `fig` to out_dir/name; `per_step` axes get a step label and a legend."""
   for ax in axes:
-    ax.set_xlabel("training step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if per_step:
+      ax.set_xlabel("training step")
+      ax.legend(fontsize=7)
   fig.tight_layout()
   path = os.path.join(out_dir, name)
   fig.savefig(path, dpi=110)

@@ -237,17 +237,28 @@ def test_prompts_are_prefilled_once_and_programs_compiled_once(eos_model):
   assert engine.stats["compiles"] == compiles
 
 
-def test_stop_strings_end_rows_as_in_the_static_loop(text_model):
+def stop_string_case(text_model, more_eos: bool = False):
+  """Two prompts x 3 rows of 16 new tokens at most, with stop strings taken from the
+  middle of two rows' texts, so those rows stop early, and with `more_eos` a second EOS
+  id, a third row's token: (cfg, params, tokenizer, prompts, config, the static rows)."""
   cfg, params, tokenizer = text_model
   prompts = [tokenizer("Hi there")["input_ids"], tokenizer("What is 2 + 2? Think.")["input_ids"]]
   config = dataclasses.replace(SAMPLED, max_new_tokens=16)
-  static = sampling.make_engine("jax", cfg, tokenizer, scheduler="static")
-  free = static.generate(prompts, 3, params, jax.random.key(0), config)
-  # Stop strings taken from the middle of two rows' texts, so those rows stop early.
+  free = sampling.make_engine("jax", cfg, tokenizer, scheduler="static").generate(
+      prompts, 3, params, jax.random.key(0), config)
   stops = tuple(text[len(text) // 2:len(text) // 2 + 2] for text in free.texts[1:5:3])
+  if more_eos:
+    cfg = dataclasses.replace(cfg, eos_token_id=tuple(sorted(
+        {*cfg.eos_token_id, int(free.tokens_NxT[2, 6])})))
   config = dataclasses.replace(config, stop_strings=stops)
-  ref = static.generate(prompts, 3, params, jax.random.key(0), config)
+  ref = sampling.make_engine("jax", cfg, tokenizer, scheduler="static").generate(
+      prompts, 3, params, jax.random.key(0), config)
   assert (ref.lengths_N < free.lengths_N).sum() >= 2
+  return cfg, params, tokenizer, prompts, config, ref
+
+
+def test_stop_strings_end_rows_as_in_the_static_loop(text_model):
+  cfg, params, tokenizer, prompts, config, ref = stop_string_case(text_model)
   for slots in (1, 4):
     engine = sampling.make_engine("jax", cfg, tokenizer, max_rows=slots, chunk_steps=CHUNK)
     assert_same_rows(engine.generate(prompts, 3, params, jax.random.key(0), config), ref)

@@ -8,8 +8,6 @@ tokens), pages of 4 addresses: a prompt bucket of 16 and 12 new tokens take 7 pa
 row, and pools from all 8 rows at their longest (56 pages) down to one row's (7).
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -72,18 +70,9 @@ def test_a_forced_preemption_of_any_row_at_any_chunk_gives_the_same_rows(eos_mod
 
 
 def test_stop_strings_and_several_eos_ids_under_preemption(text_model):
-  cfg, params, tokenizer = text_model
-  prompts = [tokenizer("Hi there")["input_ids"], tokenizer("What is 2 + 2? Think.")["input_ids"]]
-  config = dataclasses.replace(SAMPLED, max_new_tokens=16)
-  static = sampling.make_engine("jax", cfg, tokenizer, scheduler="static")
-  free = static.generate(prompts, 3, params, jax.random.key(0), config)
-  stops = tuple(text[len(text) // 2:len(text) // 2 + 2] for text in free.texts[1:5:3])
-  eos = tuple(sorted({*cfg.eos_token_id, int(free.tokens_NxT[2, 6])}))
-  cfg = dataclasses.replace(cfg, eos_token_id=eos)
-  config = dataclasses.replace(config, stop_strings=stops)
-  ref = sampling.make_engine("jax", cfg, tokenizer, scheduler="static").generate(
-      prompts, 3, params, jax.random.key(0), config)
-  assert (ref.lengths_N < free.lengths_N).sum() >= 2
+  cfg, params, tokenizer, prompts, config, ref = continuous_test.stop_string_case(
+      text_model, more_eos=True)
+  assert len(cfg.eos_token_id) > 1
   per_row = -(-(16 + 16) // PAGE)  # a prompt bucket of 16 and 16 new tokens
   engine = _engine(cfg, per_row, slots=4, tokenizer=tokenizer)
   assert_same_rows(engine.generate(prompts, 3, params, jax.random.key(0), config), ref)
