@@ -52,13 +52,14 @@ def _responses():
 RESPONSES = _responses()
 
 
-def _batch(micro, aggregation="token_sum_norm", pack=True):
-  """The mini-batch as micro-batches of `micro` rows, shaped for one response per row."""
+def _batch(micro, aggregation="token_sum_norm", pack=True, prompt_len=P):
+  """The mini-batch as micro-batches of `micro` rows, shaped for one response per row,
+  each row with `prompt_len` + R tokens."""
   responses = [packing.Sequence(r["prompt"], r["tokens"], r["old_logp"], r["adv"],
                                 r["is_replay"]) for r in RESPONSES]
-  return packing.train_batch(responses, prompt_len=P, response_len=R, micro_batch=micro,
-                             num_micro=-(-N // micro), pad_id=0, aggregation=aggregation,
-                             norm_len=R, pack=pack)
+  return packing.train_batch(responses, prompt_len=prompt_len, response_len=R,
+                             micro_batch=micro, num_micro=-(-N // micro), pad_id=0,
+                             aggregation=aggregation, norm_len=R, pack=pack)
 
 
 @functools.partial(jax.jit, static_argnames=("algo",))
@@ -167,6 +168,18 @@ def test_gradient_does_not_depend_on_micro_batch_size_or_packing(aggregation, sp
     np.testing.assert_allclose(metrics["loss"], objective, rtol=1e-5)
     np.testing.assert_allclose(metrics["pg_loss"], pg_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(metrics["entropy"], entropy, rtol=1e-5)
+
+
+def test_gradient_does_not_depend_on_the_rows_prompt_budget():
+  """`train.prompt_bucket` sets the rows' prompt budget (`padding.prompt_bucket`): wider
+  rows pack otherwise, and the gradient stays the reference's."""
+  params = models.init_params(CFG, jax.random.key(0))
+  _, expected = _reference("token_sum_norm")
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(expected))
+  for prompt_len in (P, P + 3, 2 * P):
+    grads, _ = _gradients(params, _batch(2, prompt_len=prompt_len), _algo("token_sum_norm"))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale, err_msg=f"{prompt_len=}")
 
 
 def test_step_metrics_do_not_depend_on_micro_batch_size():
