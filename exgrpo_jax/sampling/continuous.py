@@ -24,6 +24,14 @@ that holds the next chunk's pages (`slots.repage` moves the pages when that chan
 Row r still draws its step-t token from fold_in(fold_in(key, r), t), so its output
 depends neither on its slot nor on its neighbours.
 
+A pool capped below every slot's row at its longest (`capacity`, `rollout.kv_pages`)
+admits a waiting row only where its shard has the pages of its next chunk (with
+`headroom` of the pool kept free beside running rows), and when a shard cannot hold its
+live rows' next chunk, preempts its newest rows (`_preempted`): their pages go back,
+their tokens stay here, and they wait first in line. A preempted row resumes from one
+prefill of its prompt and the tokens it had emitted (`slots.resume`) at its own step
+count, so it draws what it would have drawn (docs/sampler_performance.md).
+
 Why the host between chunks rather than one `lax.while_loop` with the refill inside:
 the refill needs a prefill, whose size (how many new prompts) varies from refill to
 refill, and stop strings are only known to the tokenizer; between chunks both are plain
@@ -123,8 +131,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       state = slots_lib.release(state, put(stopped_B))
     free, new_rows = [], []
     for b in _free_slots(slot_row_B, shards):
-      if pending and table.room(b, end_of(pending[0]), ends_B,
-                                keep_free if (slot_row_B >= 0).any() else 0):
+      if pending and table.room(b, end_of(pending[0]), ends_B, keep_free):
         free.append(b)
         new_rows.append(pending.popleft())
         table.release(b)
