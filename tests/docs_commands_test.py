@@ -241,6 +241,12 @@ COMMANDS = [
             covered="tests/plugins_test.py::"
             "test_training_grades_with_the_doc_plugin_in_worker_processes"),
     # docs/results.md
+    Command("python scripts/bench_train.py --config=configs/smollm2_study_v3.py "
+            "--variants=exgrpo --steps=4 --warmup=2 "
+            "--baseline=model.remat=none,train.prompt_bucket=64",
+            run="{python} scripts/bench_train.py --config=configs/tiny.py --variants=exgrpo "
+            "--steps=1 --warmup=0 --baseline=model.remat=full,train.prompt_bucket=64",
+            expect=r'"exgrpo/over_baseline"'),
     Command("python scripts/study_v3.py run",
             skip="the study itself: hours of training (its stage and health rules: "
             "tests/study_v3_test.py)"),
