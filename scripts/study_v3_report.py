@@ -34,6 +34,7 @@ COLORS = dict(zip(ARM_ORDER, ("C0", "C1", "C2", "C3", "C4", "C5", "C6")))
 SUPPORT_PAIRS = 6  # of 8: ExGRPO's zero-advantage share below on-policy's
 RESCUE = 0.09      # "no rescue-sized effect" when the upper 95% bound is below this
 MANIPULATION = 0.03  # some arm's AUC gain over step 0
+COLLAPSE = 0.05      # greedy accuracy lost from step 0 to step 40
 
 
 def load(summaries: str) -> dict:
@@ -105,6 +106,24 @@ def verdict(runs: dict, primary: dict | None, pairs: tuple) -> dict:
   return out
 
 
+def arm_summary(seeds: dict) -> dict:
+  """Per arm, over its seeds: collapses (greedy accuracy at step 40 at least 5 points
+  below step 0), and the means of its dynamics at steps 10, 20, 30 and 40 (entropy,
+  response length, ratio maxima, grad norm, buffered, retired) and over the run
+  (replayed questions a step, zero-advantage share)."""
+  runs = list(seeds.values())
+  at = lambda name: {str(s): float(np.mean([r["curves"][name][s - 1] for r in runs]))
+                     for s in study_v3.EVAL_STEPS}
+  return dict(
+      seeds=sorted(seeds), auc=float(np.mean([study_v3.auc(r) for r in runs])),
+      collapses=sum(r["evals"]["40"]["greedy"] <= r["evals"]["0"]["greedy"] - COLLAPSE
+                    for r in runs if "0" in r["evals"]),
+      zero_advantage_share=float(np.mean([r["zero_advantage_share"] for r in runs])),
+      replayed_per_step=float(np.mean([np.mean(r["curves"]["replayed"]) for r in runs])),
+      **{name: at(name) for name in ("entropy", "length", "on_ratio_max", "off_ratio_max",
+                                     "grad_norm", "buffered", "retired")})
+
+
 def report(summaries: str) -> dict:
   runs = load(summaries)
   fallback = bool(runs.get(study_v3.FALLBACK[0]))
@@ -118,6 +137,7 @@ def report(summaries: str) -> dict:
   return {"protocol": study_v3.__doc__.split("Protocol, fixed before the first run:")[1].strip(),
           "config": study_v3.CONFIG, "runs": table, "primary": primary,
           "attribution": attribution, "exploratory": exploratory,
+          "arms": {arm: arm_summary(seeds) for arm, seeds in runs.items()},
           "rules": verdict(runs, primary, pairs), "_runs": runs}
 
 
@@ -173,7 +193,8 @@ def main():
   public = {k: v for k, v in result.items() if not k.startswith("_")}
   with open(args.json, "w", encoding="utf-8") as f:
     json.dump(public, f, indent=1)
-  print(json.dumps({k: public[k] for k in ("primary", "attribution", "rules")}, indent=1))
+  print(json.dumps({k: public[k] for k in ("primary", "attribution", "arms", "rules")},
+                   indent=1))
   for path in plot(result, args.plots):
     print(f"wrote {path}", file=sys.stderr)
 

@@ -165,5 +165,16 @@ def test_the_report_writes_its_json_and_figures(tmp_path):
     result = json.load(f)
   assert result["rules"]["verdict"] == "pending: 4 of 8 pairs"
   assert len(result["runs"]) == 16 and result["primary"]["n"] == 4
+  assert sorted(result["arms"]) == ["delayed", "exgrpo", "noreplay", "onpolicy"]
+  onpolicy = result["arms"]["onpolicy"]
+  assert onpolicy["collapses"] == 0 and onpolicy["auc"] == pytest.approx(0.4)
+  assert set(onpolicy["entropy"]) == {"10", "20", "30", "40"}
   assert sorted(os.listdir(out)) == ["study_v3_accuracy.png", "study_v3_dynamics.png",
                                      "study_v3_paired.png"]
+
+
+def test_a_collapse_is_greedy_accuracy_down_5_points_from_step_0(tmp_path):
+  fake_run(str(tmp_path), "onpolicy", 1, 0.40, start=0.46)  # down 6 points
+  fake_run(str(tmp_path), "onpolicy", 2, 0.40, start=0.44)  # down 4 points
+  runs = study_v3_report.load(str(tmp_path))
+  assert study_v3_report.arm_summary(runs["onpolicy"])["collapses"] == 1
