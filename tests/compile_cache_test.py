@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import jax
+
 from exgrpo_jax import compile_cache
 from tests import conftest
 
@@ -49,3 +51,9 @@ def test_cli_switch():
   parse = generate._parser().parse_args  # pylint: disable=protected-access
   assert parse(["--prompt", "hi"]).compile_cache
   assert not parse(["--prompt", "hi", "--no-compile-cache"]).compile_cache
+
+
+def test_an_in_process_cli_call_leaves_the_test_session_without_the_cache(tmp_path):
+  from exgrpo_jax import eval as eval_cli  # pylint: disable=g-import-not-at-top
+  assert eval_cli.main(["--data", "arithmetic", "--reward", "last_int"]) == 1  # refused after main ran enable()
+  assert jax.config.jax_compilation_cache_dir is None

@@ -16,6 +16,16 @@ if os.path.isdir(SHARED_DATA):
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True)
+def _no_persistent_compile_cache(monkeypatch):
+  """The CLIs' `main` turns JAX's persistent cache on for the whole process; called
+  in-process here, that left every later test reading executables back from disk, and
+  jaxlib 0.10's CPU deserialization aborted the suite (CI, stop 44). Tests of the cache
+  itself run it in a subprocess (compile_cache_test)."""
+  from exgrpo_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(compile_cache, "enable", lambda enabled=True: None)
+
+
 def subprocess_env(**overrides) -> dict:
   """This environment for a Python subprocess of this checkout: the repository first on
   PYTHONPATH, the rest kept (packages installed with `pip --target`, as on the GPU
