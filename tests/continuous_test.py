@@ -14,6 +14,7 @@ import pytest
 
 from exgrpo_jax import sampling
 from exgrpo_jax.sampling import continuous
+from exgrpo_jax.sampling import schedule
 from tests import sampler_test
 
 PROMPTS = sampler_test.PROMPTS + [[7], [8, 9, 10, 11, 12, 13]]
@@ -186,12 +187,12 @@ def test_on_a_mesh_new_rows_fill_the_emptiest_shard_and_the_tail_keeps_each_rows
   pool is sized by its fullest shard); the tail keeps every row in its own shard, so its
   pages stay on its device, with as many slots per shard as the fullest needs."""
   slot_row_B = np.array([0, 1, 2, -1, -1, -1, -1, -1])
-  np.testing.assert_array_equal(continuous._free_slots(slot_row_B, 2), [4, 5, 6, 3, 7])
-  np.testing.assert_array_equal(continuous._free_slots(slot_row_B, 1), [3, 4, 5, 6, 7])
+  np.testing.assert_array_equal(schedule._free_slots(slot_row_B, 2), [4, 5, 6, 3, 7])
+  np.testing.assert_array_equal(schedule._free_slots(slot_row_B, 1), [3, 4, 5, 6, 7])
   tail_B = np.array([-1, 7, -1, -1, 8, -1, 9, -1])
-  np.testing.assert_array_equal(continuous._tail_slots(tail_B, 2), [1, 0, 4, 6])
-  np.testing.assert_array_equal(continuous._tail_slots(tail_B, 1), [1, 4, 6, 0])
-  assert continuous._tail_slots(np.array([-1, 7, 8, 9, -1, -1, -1, -1]), 2) is None
+  np.testing.assert_array_equal(schedule._tail_slots(tail_B, 2), [1, 0, 4, 6])
+  np.testing.assert_array_equal(schedule._tail_slots(tail_B, 1), [1, 4, 6, 0])
+  assert schedule._tail_slots(np.array([-1, 7, 8, 9, -1, -1, -1, -1]), 2) is None
 
 
 def test_on_a_mesh_the_slots_are_a_multiple_of_the_batch_shards(eos_model):

@@ -14,6 +14,8 @@ import pytest
 
 from exgrpo_jax import sampling
 from exgrpo_jax.sampling import continuous
+from exgrpo_jax.sampling import pages
+from exgrpo_jax.sampling import schedule
 from tests import continuous_test
 from tests.continuous_test import COUNTS, GREEDY, PROMPTS, SAMPLED, assert_same_rows
 from tests.continuous_test import eos_model  # pylint: disable=unused-import
@@ -69,6 +71,32 @@ def test_a_forced_preemption_of_any_row_at_any_chunk_gives_the_same_rows(eos_mod
   assert forced >= 2 * rows.size  # every row ran in at least two chunks
 
 
+@pytest.mark.parametrize("capacity", [None, 2 * PER_ROW, PER_ROW])
+def test_the_schedule_simulated_from_the_rows_lengths_is_the_engines(eos_model, capacity):
+  """`schedule.simulate`, given only the lengths the rows came out at, runs the chunks,
+  slots, pool sizes and preemptions the engine ran (what the AOT planner's estimates
+  rest on)."""
+  cfg, params = eos_model
+  engine = _engine(cfg, capacity)
+  prompt_index = np.repeat(np.arange(len(PROMPTS)), COUNTS)
+  rows = np.arange(prompt_index.size)
+  raw = continuous.generate(engine, PROMPTS, prompt_index, rows, params, jax.random.key(3),
+                            SAMPLED, prompt_len=16, slots=4, page_size=PAGE,
+                            capacity=capacity)
+  table = pages.PageTable(4, PAGE, 16, SAMPLED.max_new_tokens, continuous.POOL_SIZES, 1,
+                          capacity)
+  trace = schedule.simulate(raw["lengths_B"], [len(PROMPTS[p]) for p in prompt_index], table,
+                            SAMPLED.max_new_tokens, continuous_test.CHUNK)
+  stats = engine.stats
+  assert trace.preemptions == stats["preemptions"]
+  assert trace.recomputed_tokens == stats["recomputed_tokens"]
+  assert trace.steps_C.sum() == stats["decode_steps"]
+  assert (trace.slots_C * trace.steps_C).sum() == stats["slot_steps"]
+  np.testing.assert_allclose((trace.pool_pages_C * PAGE * trace.steps_C / trace.slots_C).sum(),
+                             stats["attended_slots"], rtol=1e-12)
+  assert (trace.preemptions > 0) == (capacity == PER_ROW), trace.preemptions
+
+
 def test_stop_strings_and_several_eos_ids_under_preemption(text_model):
   cfg, params, tokenizer, prompts, config, ref = continuous_test.stop_string_case(
       text_model, more_eos=True)
@@ -99,14 +127,14 @@ def test_a_pool_below_one_row_per_shard_is_refused(eos_model):
 
 def test_preemption_takes_the_newest_rows_of_the_shard_that_runs_out():
   # 11 pages a row (32 + 12 addresses), 22 a shard.
-  table = continuous.pages_lib.PageTable(8, PAGE, 32, 12, 8, shards=2, capacity=44)
+  table = pages.PageTable(8, PAGE, 32, 12, 8, shards=2, capacity=44)
   admitted = np.array([1, 2, 3, 0, 4, 7, 5, 0])
   # Shard 0 needs 8 + 8 + 6 = 22 pages, shard 1 11 + 10 = 21: nothing to preempt.
   ends = np.array([32, 32, 24, 0, 44, 40, 0, 0])
-  assert continuous._preempted(table, ends, admitted, 2) == []
+  assert schedule._preempted(table, ends, admitted, 2) == []
   # Shard 1 needs 11 + 10 + 11 = 32: its newest row (slot 5, admitted 7th) goes.
   ends[6] = 44
-  assert continuous._preempted(table, ends, admitted, 2) == [5]
+  assert schedule._preempted(table, ends, admitted, 2) == [5]
   ends[2] = 44  # shard 0: 8 + 8 + 11 = 27, its newest is slot 2
-  assert continuous._preempted(table, ends, admitted, 2) == [2, 5]
+  assert schedule._preempted(table, ends, admitted, 2) == [2, 5]
   np.testing.assert_array_equal(ends, [32, 32, 44, 0, 44, 40, 44, 0])  # left as it was

@@ -10,7 +10,7 @@ are admitted one after another; the last prompt an `admit` prefilled is kept on 
 (the carry), and its later rows copy its cache instead of prefilling it again: every
 prompt is prefilled once, as in the static loop. Once no row waits, the tail runs in
 fewer slots: when the live rows fit into half of them, `slots.select` moves them into
-the engine's batch bucket that holds them (`_tail_slots`: a power of two up to 64, per
+the engine's batch bucket that holds them (`schedule`: a power of two up to 64, per
 shard of a mesh's batch axes), so the last long rows stop paying for ended ones.
 
 The KV cache is a pool of pages (`slots`, `pages`). A row addresses its cache by
@@ -27,7 +27,7 @@ depends neither on its slot nor on its neighbours.
 A pool capped below every slot's row at its longest (`capacity`, `rollout.kv_pages`)
 admits a waiting row only where its shard has the pages of its next chunk (with
 `headroom` of the pool kept free beside running rows), and when a shard cannot hold its
-live rows' next chunk, preempts its newest rows (`_preempted`): their pages go back,
+live rows' next chunk, preempts its newest rows (`schedule`): their pages go back,
 their tokens stay here, and they wait first in line. A preempted row resumes from one
 prefill of its prompt and the tokens it had emitted (`slots.resume`) at its own step
 count, so it draws what it would have drawn (docs/sampler_performance.md).
@@ -41,7 +41,6 @@ which docs/sampler_performance.md measures, is a host round trip per chunk and u
 `steps` - 1 idle steps of a slot whose row ends inside a chunk.
 """
 
-import collections
 import time
 
 import jax
@@ -53,6 +52,7 @@ from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import outputs
 from exgrpo_jax.sampling import pages as pages_lib
 from exgrpo_jax.sampling import paged_kernel
+from exgrpo_jax.sampling import schedule
 from exgrpo_jax.sampling import slots as slots_lib
 
 # One `admit` call loads at most MAX_ROWS rows and prefills at most MAX_PROMPTS new
@@ -80,7 +80,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   pool of pages of `page_size` slots, of at most `capacity` pages (None: every slot's row
   at its longest). Below that, a row is admitted only while its shard has the pages for
   its next chunk and `headroom` of the pool to spare, and when a shard runs out, its
-  newest rows are preempted (`_preempted`). `preempt(chunk, slot_row_B)` (tests) names
+  newest rows are preempted (`schedule.Scheduler`). `preempt(chunk, slot_row_B)` (tests) names
   more slots to preempt before a chunk. Returns the raw per-row dict `outputs.finalize`
   takes, as the static loop does.
   """
@@ -103,63 +103,31 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
       key, jnp.asarray(rows_R, jnp.uint32)))
   admitter = _Admitter(engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
                        table, put)
+  scheduler = schedule.Scheduler(table, prompt_len_R, N, engine.chunk_steps, keep_free)
+  lengths_R = scheduler.lengths_R
   tokens_RxN = np.zeros((R, N), np.int32)
   logp_RxN = np.zeros((R, N), np.float32)
   ent_RxN = np.zeros((R, N), np.float32) if sampling.return_entropy else None
-  lengths_R = np.zeros(R, np.int32)
-  slot_row_B = np.full(B, -1)
-  admitted_B = np.zeros(B, np.int64)  # each slot's row's admission number (newest: most)
-  admissions = 0
-  pending = collections.deque(range(R))  # rows to admit; preempted ones go first
-  end_of = lambda r: prompt_len_R[r] + min(lengths_R[r] + engine.chunk_steps, N)
   chunk = 0
-  while True:
-    ends_B = np.array([end_of(r) if r >= 0 else 0 for r in slot_row_B])
-    stopped_B = np.zeros(B, bool)
-
-    def stop(b):  # preempts slot b's row: it waits first in line, its tokens kept
-      pending.appendleft(slot_row_B[b])
-      slot_row_B[b], ends_B[b], stopped_B[b] = -1, 0, True
-      table.release(b)
-      engine.stats["preemptions"] += 1
-
-    for b in [] if preempt is None else preempt(chunk, slot_row_B.copy()):
-      stop(b)
-    for b in _preempted(table, ends_B, admitted_B, shards):
-      stop(b)
-    if stopped_B.any():
-      state = slots_lib.release(state, put(stopped_B))
-    free, new_rows = [], []
-    for b in _free_slots(slot_row_B, shards):
-      if pending and table.room(b, end_of(pending[0]), ends_B, keep_free):
-        free.append(b)
-        new_rows.append(pending.popleft())
-        table.release(b)
-        admissions += 1
-        slot_row_B[b], ends_B[b], admitted_B[b] = new_rows[-1], end_of(new_rows[-1]), admissions
-    free, new_rows = np.array(free, np.int64), np.array(new_rows, np.int64)
-    if (slot_row_B < 0).all():
-      break
-    # Not in a round that admits rows: they are placed below, into the slots they have.
-    keep_C = _tail_slots(slot_row_B, shards) if not pending and not free.size else None
-    if keep_C is not None:  # the pool stays where it is: only the slots' state moves
-      args = (state.replace(caches=()), put(keep_C))
+  while (plan := scheduler.plan(
+      () if preempt is None else preempt(chunk, scheduler.slot_row_B.copy()))) is not None:
+    if plan.stopped_B.any():
+      engine.stats["preemptions"] += int(plan.stopped_B.sum())
+      state = slots_lib.release(state, put(plan.stopped_B))
+    if plan.keep_C is not None:  # the pool stays where it is: only the slots' state moves
+      args = (state.replace(caches=()), put(plan.keep_C))
       state = engine.compiled(slots_lib.select, args, dict(mesh=mesh), takes_cfg=False)(
           *args).replace(caches=state.caches)
-      table.select(keep_C)
-      slot_row_B, admitted_B, ends_B = slot_row_B[keep_C], admitted_B[keep_C], ends_B[keep_C]
-      B = keep_C.size
-    source_Q = table.fit(ends_B)
-    if source_Q is not None:  # the old pool's only references go to `repage`'s list
+    if plan.source_Q is not None:  # the old pool's only references go to `repage`'s list
       caches, state = list(state.caches), state.replace(caches=())
-      slots_lib.repage(engine.compiled, caches, put(source_Q.astype(np.int32)), mesh)
+      slots_lib.repage(engine.compiled, caches, put(plan.source_Q.astype(np.int32)), mesh)
       state = state.replace(caches=tuple(caches))
-    if free.size:
+    if plan.free.size:
       admit_start = time.perf_counter()
-      resumed = lengths_R[new_rows] > 0
-      state, carry = admitter(state, carry, new_rows[~resumed], free[~resumed])
+      resumed = lengths_R[plan.new_rows] > 0
+      state, carry = admitter(state, carry, plan.new_rows[~resumed], plan.free[~resumed])
       if resumed.any():
-        state = admitter.resume(state, new_rows[resumed], free[resumed],
+        state = admitter.resume(state, plan.new_rows[resumed], plan.free[resumed],
                                 tokens_RxN, lengths_R)
       engine.stats["admit_s"] += time.perf_counter() - admit_start
     args = (params, layers, state, *put(table.device_args()), *scalars)
@@ -167,82 +135,30 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
     out = sharding.to_host(out)
     chunk += 1
     host_start = time.perf_counter()
-    taken = int(out["taken"])
+    taken, B = int(out["taken"]), table.slots
     engine.stats["decode_steps"] += taken
     engine.stats["slot_steps"] += B * taken
     engine.stats["attended_slots"] += table.pages * page_size * taken / B
     release_B = np.zeros(B, bool)
-    for b in np.flatnonzero(slot_row_B >= 0):
-      r, start, end = slot_row_B[b], lengths_R[slot_row_B[b]], out["steps_B"][b]
+    for b in scheduler.live():
+      r, end = scheduler.slot_row_B[b], out["steps_B"][b]
+      start = lengths_R[r]
       tokens_RxN[r, start:end] = out["tokens_BxC"][b, :end - start]
       logp_RxN[r, start:end] = out["logprobs_BxC"][b, :end - start]
       if ent_RxN is not None:
         ent_RxN[r, start:end] = out["entropy_BxC"][b, :end - start]
-      lengths_R[r] = end
-      if out["done_B"][b]:
-        slot_row_B[b] = -1
-        if pending:  # a refill inside the chunk would have used these steps
-          engine.stats["chunk_idle_steps"] += taken - int(end - start)
-      elif sampling.stop_strings and _stopped(engine.tokenizer, tokens_RxN[r, :end], start,
-                                              sampling.stop_strings):
-        slot_row_B[b], release_B[b] = -1, True
-      if slot_row_B[b] < 0:
-        table.release(b)
+      if out["done_B"][b] and scheduler.pending:  # a refill in the chunk had used these
+        engine.stats["chunk_idle_steps"] += taken - int(end - start)
+      release_B[b] = (not out["done_B"][b] and bool(sampling.stop_strings)
+                      and _stopped(engine.tokenizer, tokens_RxN[r, :end], start,
+                                   sampling.stop_strings))
+      scheduler.advance(b, end, out["done_B"][b] or release_B[b])
     if release_B.any():
       state = slots_lib.release(state, put(release_B))
     engine.stats["host_s"] += time.perf_counter() - host_start
   last_R = tokens_RxN[np.arange(R), np.maximum(lengths_R - 1, 0)]
   return dict(tokens_BxN=tokens_RxN, logprobs_BxN=logp_RxN, entropy_BxN=ent_RxN,
               lengths_B=lengths_R, eos_B=(lengths_R > 0) & np.isin(last_R, engine.eos_ids))
-
-
-def _preempted(table, ends_B, admitted_B, shards: int) -> list[int]:
-  """The slots to preempt so that every shard holds its live rows' next chunk: in each
-  shard that cannot, its newest rows (the last admitted) until it can, as vLLM's
-  scheduler does. The oldest row always stays: a row at its longest fits a shard."""
-  per = ends_B.size // shards
-  ends_B, out = ends_B.copy(), []
-  for s in np.flatnonzero(table.need(ends_B) > table.capacity_per_shard):
-    mine = np.arange(s * per, (s + 1) * per)
-    for b in mine[np.argsort(-admitted_B[mine])]:
-      if table.need(ends_B)[s] <= table.capacity_per_shard:
-        break
-      if ends_B[b]:
-        out.append(int(b))
-        ends_B[b] = 0
-  return out
-
-
-def _free_slots(slot_row_B, shards: int):
-  """The free slots, in the order that fills the shard with the fewest rows first: the
-  pool is sized by its fullest shard (`pages.PageTable`), and the tail by its shard
-  with the most live rows (`_tail_slots`)."""
-  per = slot_row_B.size // shards
-  free = np.flatnonzero(slot_row_B < 0)
-  shard_F = free // per
-  rows_S = per - np.bincount(shard_F, minlength=shards)
-  rank_F = np.arange(free.size) - np.searchsorted(shard_F, shard_F)  # within its shard
-  return free[np.lexsort((shard_F, rows_S[shard_F] + rank_F))]
-
-
-def _tail_slots(slot_row_B, shards: int):
-  """The slots to keep once no row waits: C = `shards` x bucket(the most live rows of a
-  shard), each shard's live slots, then its ended ones, in its C / shards; None unless
-  C <= B / 2.
-
-  A tail step of few live rows then costs a step of C rows, not B. Halving at least
-  bounds the shrinks to log2(B) per call, each a copy of the kept slots, and keeps the
-  slot counts to a few program shapes. A row keeps its shard (the mesh's split of the
-  slots), so its pages stay on its device (`pages.PageTable`).
-  """
-  slot_SxB = np.arange(slot_row_B.size).reshape(shards, -1)
-  live_SxB = slot_row_B[slot_SxB] >= 0
-  per = decode.bucket(int(live_SxB.sum(axis=1).max()))
-  if 2 * per * shards > slot_row_B.size:
-    return None
-  keep = [np.concatenate([slots[live], slots[~live]])[:per]
-          for slots, live in zip(slot_SxB, live_SxB)]
-  return np.concatenate(keep).astype(np.int32)
 
 
 def _stopped(tokenizer, ids, new_from: int, stop_strings) -> bool:
