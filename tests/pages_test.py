@@ -59,15 +59,16 @@ def _held(table: pages.PageTable, b: int) -> list[int]:
 
 def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrinks():
   # 3 slots, pages of 4 slots, prompt bucket 8, 16 new tokens: 6 pages a row, 18 in all,
-  # pool sizes 6, 12, 18 (3 sizes). Addresses are positions: a prompt starts at 0.
-  table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, sizes=3,
-                          shards=1)
-  assert table.sizes == [6, 12, 18] and table.pages == 6
+  # pool sizes 18, 9 and one row's 6 (a ladder of ratio 2). Addresses are positions: a
+  # prompt starts at 0.
+  table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, shards=1,
+                          ratio=2)
+  assert table.sizes == [6, 9, 18] and table.pages == 6
   assert table.fit(np.array([7, 12, 0])) is None  # pages 0-1 and 0-2: 5 of 6
   assert len(_held(table, 0)) == 2 and len(_held(table, 1)) == 3
   before = {b: _held(table, b) for b in range(2)}
   source = table.fit(np.array([20, 12, 0]))  # slot 0 now needs pages 0-4: 8 pages
-  assert table.pages == 12 and source.size == 12
+  assert table.pages == 9 and source.size == 9
   for b in (0, 1):  # the held pages kept their contents
     np.testing.assert_array_equal(source[_held(table, b)[:len(before[b])]], before[b])
   assert (source[8:] >= 6).all()  # the rest: new, empty pages
@@ -93,15 +94,25 @@ def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrin
   assert (table.owner_P[held_by_2] == 0).all()
 
 
+def test_the_ladder_steps_down_by_its_ratio_to_one_row_per_shard():
+  assert pages.ladder(18, 6, 1, 2 ** 0.5) == [6, 7, 9, 13, 18]
+  assert pages.ladder(18, 6, 2, 2 ** 0.5) == [6, 8, 10, 14, 18]  # multiples of the shards
+  assert pages.ladder(18, 6, 1, None) == [18]  # the kernel's pool: its capacity, once
+  assert pages.ladder(6, 6, 1, 2) == [6]
+  table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, shards=1,
+                          ratio=None)
+  assert table.sizes == [18] and table.pages == 18
+
+
 def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool():
   """Slots and pages split in 2 (the mesh's batch axes): slots 0-1 use pages of the
   first half, slots 2-3 of the second; `select` keeps each row in its half, so a resize
   moves every page within its half, with its contents, and a select that would move a
   row to the other half is refused."""
-  table = pages.PageTable(4, page_size=4, prompt_len=8, max_new_tokens=8, sizes=4,
-                          shards=2)
+  table = pages.PageTable(4, page_size=4, prompt_len=8, max_new_tokens=8, shards=2, ratio=2)
+  assert table.sizes == [8, 16]  # one row a shard, every row at its longest
   half = lambda: table.pages // 2
-  table.fit(np.array([16, 0, 0, 5]))
+  table.fit(np.array([16, 0, 16, 5]))  # the second half needs 6 pages: the larger pool
   assert all(p < half() for p in _held(table, 0)) and len(_held(table, 0)) == 4
   assert all(p >= half() for p in _held(table, 3)) and len(_held(table, 3)) == 2
   moved = _held(table, 3)
@@ -114,8 +125,8 @@ def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool():
   old_half = half()
   table.select(np.array([1, 3]))  # slot 3's row becomes slot 1: still the second half
   assert _held(table, 0) == [] and _held(table, 1) == moved
-  source = table.fit(np.array([0, 5]))  # the pool shrinks to 2 pages a half
-  assert source is not None and table.pages == 4 and all(p >= half() for p in _held(table, 1))
+  source = table.fit(np.array([0, 5]))  # the pool shrinks to 4 pages a half
+  assert source is not None and table.pages == 8 and all(p >= half() for p in _held(table, 1))
   np.testing.assert_array_equal(source[_held(table, 1)], moved)
   for s in range(2):  # every new page's source, where it has one, is in its own half
     part = source[s * half():(s + 1) * half()]

@@ -83,8 +83,7 @@ def test_the_schedule_simulated_from_the_rows_lengths_is_the_engines(eos_model, 
   raw = continuous.generate(engine, PROMPTS, prompt_index, rows, params, jax.random.key(3),
                             SAMPLED, prompt_len=16, slots=4, page_size=PAGE,
                             capacity=capacity)
-  table = pages.PageTable(4, PAGE, 16, SAMPLED.max_new_tokens, continuous.POOL_SIZES, 1,
-                          capacity)
+  table = pages.PageTable(4, PAGE, 16, SAMPLED.max_new_tokens, 1, capacity)
   trace = schedule.simulate(raw["lengths_B"], [len(PROMPTS[p]) for p in prompt_index], table,
                             SAMPLED.max_new_tokens, continuous_test.CHUNK)
   stats = engine.stats
@@ -127,7 +126,7 @@ def test_a_pool_below_one_row_per_shard_is_refused(eos_model):
 
 def test_preemption_takes_the_newest_rows_of_the_shard_that_runs_out():
   # 11 pages a row (32 + 12 addresses), 22 a shard.
-  table = pages.PageTable(8, PAGE, 32, 12, 8, shards=2, capacity=44)
+  table = pages.PageTable(8, PAGE, 32, 12, shards=2, capacity=44)
   admitted = np.array([1, 2, 3, 0, 4, 7, 5, 0])
   # Shard 0 needs 8 + 8 + 6 = 22 pages, shard 1 11 + 10 = 21: nothing to preempt.
   ends = np.array([32, 32, 24, 0, 44, 40, 0, 0])

@@ -162,15 +162,15 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
         lambda out: (pcfg, params(out), *batch, *scalars), dict(options, phases=phases),
         calls=-(-rows // per_call), steps=N, streamed=(1,),
         resident=lambda _: learner_state)]
-  table = pages.PageTable(slots, engine.page_size, L, N, continuous.POOL_SIZES,
-                          sharding.batch_shards(mesh))
+  kernel = paged_kernel.wanted(pcfg, mesh, slots)
+  table = pages.PageTable(slots, engine.page_size, L, N, sharding.batch_shards(mesh),
+                          ratio=None if kernel else pages.POOL_RATIO)
   pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
   grows_from = table.sizes[-2] if len(table.sizes) > 1 else pool  # the costliest growth
   A = min(continuous.MAX_ROWS, slots)
   P = decode.bucket(continuous.MAX_PROMPTS)
   steps = engine.chunk_steps
   i32 = lambda *shape: _struct(shape, jnp.int32, mesh)
-  kernel = paged_kernel.wanted(pcfg, mesh, slots)
   # Every row at its longest (the worst case): at a uniform step of its life, a row holds
   # its prompt and half its response of the per_row pages it may grow to.
   live = (L + N / 2) / (per_row * engine.page_size) if kernel else 1.0

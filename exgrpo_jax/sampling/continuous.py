@@ -19,8 +19,8 @@ on pages of its own:
 it gets a page when its next chunk reaches it, gives them all back when it ends, and
 attends to its own pages only. A step's attention therefore reads the live rows' keys,
 not B times the oldest row's, and a row admitted beside a row at step 900 pays for its
-own few pages. Before each chunk the pool becomes the smallest of `POOL_SIZES` sizes
-that holds the next chunk's pages (`slots.repage` moves the pages when that changes).
+own few pages. Before each chunk the pool becomes the smallest size of its ladder (`pages`) that holds
+the next chunk's pages (`slots.repage` moves the pages when that changes).
 Row r still draws its step-t token from fold_in(fold_in(key, r), t), so its output
 depends neither on its slot nor on its neighbours.
 
@@ -64,12 +64,6 @@ MAX_PROMPTS = 4
 # ones (a hit is then confirmed on the whole text). A longer stop string is still found
 # by `outputs.finalize`; only its slot is not freed early.
 _STOP_LOOKBACK = 32
-# The page pool takes at most this many sizes, k/8 of the static loop's cache for k = 1
-# .. 8 (in steps of at least one row's pages): a decode program per size in use, and at
-# most 1/8 of that cache attended in vain.
-POOL_SIZES = 8
-
-
 def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, prompt_len,
              slots: int, page_size: int, capacity: int | None = None,
              headroom: float = 0.0, preempt=None):
@@ -92,12 +86,14 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
                  np.bool_(sampling.is_greedy), np.asarray(engine.eos_ids, np.int32)))
   options = dict(sampling.program_options(), steps=engine.chunk_steps)
   shards = sharding.batch_shards(mesh)
-  table = pages_lib.PageTable(B, page_size, prompt_len, N, POOL_SIZES, shards, capacity)
+  kernel = paged_kernel.wanted(engine.program_cfg, mesh, B)
+  table = pages_lib.PageTable(B, page_size, prompt_len, N, shards, capacity,
+                              ratio=None if kernel else pages_lib.POOL_RATIO)
   keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
-      kernel=paged_kernel.wanted(engine.program_cfg, mesh, B), mesh=mesh))(params, key)
+      kernel=kernel, mesh=mesh))(params, key)
   prompt_len_R = np.array([len(prompt_ids[p]) for p in prompt_index_R])
   row_keys_R = put(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
       key, jnp.asarray(rows_R, jnp.uint32)))

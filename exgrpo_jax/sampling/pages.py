@@ -4,11 +4,14 @@ A row addresses its KV cache by position: address a is the key/value of its toke
 position a (its prompt from 0, then its step-t token at prompt length + t). Its cache is
 cut into pages of T addresses, and its page j (addresses jT to jT + T - 1) is the pool
 page `table_BxN[b, j]` (-1: none). A row gets each page only when its next chunk reaches
-it, so the pool holds what the live rows have written, not B times the longest row. The
-pool takes one of a few sizes (steps of at least a row's pages, multiples of the mesh's
-batch split) up to its capacity (`capacity`, `rollout.kv_pages`; by default every slot's
-row at its longest); `fit` picks the smallest that holds the next chunk's pages and,
-when that changes, the pool's new page order (`slots.repage`): the held pages first.
+it, so the pool holds what the live rows have written, not B times the longest row. XLA's
+attention reads the whole pool every step, so there the pool takes one of the sizes of
+a geometric ladder (`ladder`: from its capacity down by POOL_RATIO to one row per
+shard, multiples of the mesh's batch split); `fit` picks the smallest that holds the
+next chunk's pages and, when that changes, the pool's new page order (`slots.repage`):
+the held pages first. The TPU kernel reads only a row's own pages, so there (`ratio`
+None) the pool is allocated at its capacity once and never moves. The capacity is
+`capacity` (`rollout.kv_pages`), by default every slot's row at its longest.
 Below that default the pool cannot hold every slot's row at its longest: the scheduler
 admits a row only where its shard has the pages for its next chunk, and preempts rows
 when they run out (`continuous`), using `need`, `room` and `capacity_per_shard`.
@@ -20,14 +23,31 @@ device holding a row also holds its pages (the paged-attention kernel reads them
 moves each device's pages on that device (`slots.repage_layer`).
 """
 
+import math
+
 import numpy as np
+
+# The ladder's step: each size 1/sqrt(2) of the next (scripts/pool_ladder.py weighs the
+# decode programs a finer ladder compiles against the pool a coarser one reads in vain).
+POOL_RATIO = math.sqrt(2)
+
+
+def ladder(full: int, floor: int, shards: int, ratio: float | None) -> list[int]:
+  """The pool's sizes, ascending: `full`, full / ratio, full / ratio^2, ... down to
+  `floor`, each rounded up to a multiple of `shards` (only `full` where ratio is None)."""
+  sizes, size = {full}, full
+  while ratio is not None and size > floor:
+    size = max(size / ratio, floor)
+    sizes.add(min(-(-math.ceil(size) // shards) * shards, full))
+  return sorted(sizes)
 
 
 class PageTable:
   """Pages of a pool of `pages` pages, held by B slots (see the module docstring)."""
 
   def __init__(self, slots: int, page_size: int, prompt_len: int, max_new_tokens: int,
-               sizes: int, shards: int, capacity: int | None = None):
+               shards: int, capacity: int | None = None,
+               ratio: float | None = POOL_RATIO):
     self.T, self.L, self.shards = page_size, prompt_len, shards
     pages_per_row = -(-(prompt_len + max_new_tokens) // page_size)
     round_up = lambda n, m: -(-n // m) * m
@@ -41,10 +61,7 @@ class PageTable:
             f"of {page_size} for {prompt_len} prompt + {max_new_tokens} new tokens), which "
             "could never finish; raise it or lower rollout.max_new_tokens")
       full = min(full, capacity // shards * shards)
-    # Sizes step by 1/`sizes` of that, but never by less than a row's pages: more sizes
-    # would mean more programs to compile for short rollouts, for little saved.
-    unit = round_up(max(-(-full // sizes), pages_per_row), shards)
-    self.sizes = [min(unit * k, full) for k in range(1, -(-full // unit) + 1)]
+    self.sizes = ladder(full, pages_per_row * shards, shards, ratio)
     self.table_BxN = np.full((slots, pages_per_row), -1)
     self.owner_P = np.full(self.sizes[0], -1)  # the slot holding each page (-1: free)
 
@@ -122,16 +139,16 @@ class PageTable:
       new_index[source_Q[kept]] = np.flatnonzero(kept)
       self.table_BxN = np.where(self.table_BxN >= 0, new_index[self.table_BxN], -1)
       self.owner_P = np.where(kept, self.owner_P[np.where(kept, source_Q, 0)], -1)
+    # The missing pages in slot order, then page order: each shard's first free pages.
+    miss_b, miss_j = np.nonzero((self.table_BxN < 0)
+                                & (np.arange(self.table_BxN.shape[1]) < last_B[:, None]))
     per = self.pages // self.shards
-    for b in np.flatnonzero(last_B > 0):
-      row = self.table_BxN[b, :last_B[b]]
-      missing = row < 0
-      if missing.any():
-        s = self._shard_of_slot(b)
-        free = np.flatnonzero(self.owner_P[s * per:(s + 1) * per] < 0) + s * per
-        given = free[:missing.sum()]
-        row[missing] = given
-        self.owner_P[given] = b
+    shard_M = self._shard_of_slot(miss_b)
+    for s in np.unique(shard_M):
+      mine = shard_M == s
+      given = np.flatnonzero(self.owner_P[s * per:(s + 1) * per] < 0)[:mine.sum()] + s * per
+      self.table_BxN[miss_b[mine], miss_j[mine]] = given
+      self.owner_P[given] = miss_b[mine]
     return source_Q
 
   def device_args(self):

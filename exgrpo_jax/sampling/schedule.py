@@ -47,15 +47,15 @@ class Scheduler:
     self.admissions = 0
     self.pending = collections.deque(range(len(self.prompt_len_R)))  # preempted first
 
-  def end_of(self, r: int) -> int:
-    """The address after row r's next chunk."""
-    return self.prompt_len_R[r] + min(self.lengths_R[r] + self.steps, self.N)
+  def end_of(self, r):
+    """The address after row r's (rows r's) next chunk."""
+    return self.prompt_len_R[r] + np.minimum(self.lengths_R[r] + self.steps, self.N)
 
   def plan(self, forced=()) -> Chunk | None:
     """The next chunk's decisions (`forced`: more slots to preempt, tests), or None when
     every row is done."""
     table, shards = self.table, self.table.shards
-    ends_B = np.array([self.end_of(r) if r >= 0 else 0 for r in self.slot_row_B])
+    ends_B = np.where(self.slot_row_B >= 0, self.end_of(np.maximum(self.slot_row_B, 0)), 0)
     stopped_B = np.zeros(self.slot_row_B.size, bool)
     for b in [*forced, *_preempted(table, ends_B, self.admitted_B, shards, forced)]:
       self.pending.appendleft(self.slot_row_B[b])  # waits first in line, tokens kept
@@ -147,13 +147,16 @@ def _tail_slots(slot_row_B, shards: int):
 @dataclasses.dataclass
 class Trace:
   """What a rollout did, chunk by chunk (`simulate`): the decode steps each chunk ran,
-  its slots, live rows, the pool's pages and the pages live rows held."""
+  its slots, live rows, the pool's pages, the pages live rows held and the rows placed
+  before it; the preemptions, and the resumed rows and their tokens run again."""
   steps_C: np.ndarray
   slots_C: np.ndarray
   rows_C: np.ndarray
   pool_pages_C: np.ndarray
   held_pages_C: np.ndarray
+  admitted_C: np.ndarray
   preemptions: int
+  resumed: int
   recomputed_tokens: int
 
   @property
@@ -168,11 +171,13 @@ def simulate(lengths_R, prompt_len_R, table: pages_lib.PageTable, max_new_tokens
   (at most `max_new_tokens`) in `table`'s slots and pool, without a model."""
   lengths_R = np.clip(np.asarray(lengths_R), 1, max_new_tokens)
   scheduler = Scheduler(table, prompt_len_R, max_new_tokens, chunk_steps, keep_free)
-  steps, slots, rows, pool, held = [], [], [], [], []
-  preemptions = recomputed = 0
+  steps, slots, rows, pool, held, admitted = [], [], [], [], [], []
+  preemptions = resumed = recomputed = 0
   while (chunk := scheduler.plan()) is not None:
     preemptions += int(chunk.stopped_B.sum())
+    resumed += int((scheduler.lengths_R[chunk.new_rows] > 0).sum())
     recomputed += int(scheduler.lengths_R[chunk.new_rows].sum())
+    admitted.append(chunk.new_rows.size)
     live = scheduler.live()
     done_R = scheduler.lengths_R[scheduler.slot_row_B[live]]
     left = lengths_R[scheduler.slot_row_B[live]] - done_R
@@ -182,7 +187,8 @@ def simulate(lengths_R, prompt_len_R, table: pages_lib.PageTable, max_new_tokens
     rows.append(live.size)
     pool.append(table.pages)
     held.append(int((table.owner_P >= 0).sum()))
-    for b, start, more in zip(live, done_R, left):
-      scheduler.advance(b, start + min(taken, more), more <= taken)
+    scheduler.lengths_R[scheduler.slot_row_B[live]] = done_R + np.minimum(taken, left)
+    for b in live[left <= taken]:
+      scheduler.advance(b, scheduler.lengths_R[scheduler.slot_row_B[b]], True)
   return Trace(np.array(steps), np.array(slots), np.array(rows), np.array(pool),
-               np.array(held), preemptions, recomputed)
+               np.array(held), np.array(admitted), preemptions, resumed, recomputed)

@@ -1,0 +1,169 @@
+"""Rollout seconds at real response lengths, from a plan's compiled programs.
+
+  lengths = scenario("mid", cap=8192, rows=1024)          # or recorded(path, ...), at_cap
+  est = rollout_estimate(report, lengths)                  # today's slots and pool
+  est = rollout_estimate(report, lengths, slots=1024, capacity=pages, headroom=0.1)
+
+`check.step_estimate` prices every row at `max_new_tokens`, the worst case. Real rollouts
+end far earlier (SCENARIOS), so here the continuous scheduler runs over a length
+distribution without a model (`schedule.simulate`: the engine's own decisions, chunk by
+chunk), and each chunk is priced by the same roofline (`analysis.roofline`) from the
+report's compiled `decode_chunk`: its bytes per call less the pool it was compiled with,
+plus the pool of that chunk's size (read whole each step by XLA's attention, only the
+live rows' pages by the TPU kernel); its FLOPs in proportion to the chunk's slots and
+steps. Placing rows (`place`) is priced at the pool's size then, a preempted row's
+resume by the prefill's cost per token (`admit`), a pool resize by `repage_layer` per
+layer. What does not depend on the lengths (the parameters' copy, `empty`, `admit`'s
+prompts) is taken as compiled. Estimates, not measurements: the simulation's slots and
+pool beyond what was compiled assume the decode program still fits (the planner checks
+that by compiling).
+"""
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+
+from exgrpo_jax.sampling import decode
+from exgrpo_jax.sampling import pages
+from exgrpo_jax.sampling import schedule
+
+# Response lengths at an 8,192-token cap from public RL runs (mean tokens, share at the
+# cap): a verl run's mean at its cap scaled up, DeepScaleR's late and early training.
+SCENARIOS = {"short": (1278, 0.02), "mid": (3501, 0.09), "long": (5737, 0.39)}
+SCENARIO_CAP = 8192
+
+
+def scenario(name: str, cap: int, rows: int, seed: int = 0) -> np.ndarray:
+  """`rows` lengths with SCENARIOS[name]'s mean and share at the cap, scaled to `cap`."""
+  mean, share = SCENARIOS[name]
+  return from_mean(mean * cap / SCENARIO_CAP, share, cap, rows, seed)
+
+
+def from_mean(mean: float, cap_share: float, cap: int, rows: int, seed: int = 0):
+  """`rows` lengths: `cap_share` of them at `cap`, the rest from a Beta(2, b) on (0, cap)
+  whose b makes the mean `mean` (a fixed seed: the same lengths every time)."""
+  at_cap = round(cap_share * rows)
+  below = (mean * rows - at_cap * cap) / max(rows - at_cap, 1) / cap
+  if not 0 < below < 1:
+    raise ValueError(f"a mean of {mean} tokens with {cap_share:.0%} at the cap of {cap} "
+                     "leaves no lengths below the cap")
+  draws = np.random.default_rng(seed).beta(2.0, 2.0 * (1 - below) / below, rows - at_cap)
+  draws *= below / draws.mean()  # the mean exactly, not just in expectation
+  lengths = np.clip(np.round(draws * cap), 1, cap - 1).astype(np.int64)
+  return np.random.default_rng(seed).permutation(np.r_[lengths, np.full(at_cap, cap)])
+
+
+def recorded(path: str, cap: int, rows: int) -> np.ndarray:
+  """Lengths from `scripts/record_rollout_lengths.py`'s JSON, each as its share of that
+  record's cap, scaled to `cap` and resampled (in order, cycled) to `rows`."""
+  with open(path, encoding="utf-8") as f:
+    record = json.load(f)
+  try:
+    share = np.asarray(record["response_lens"], float) / record["max_new_tokens"]
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{path}: not a record of rollout lengths (no {e})") from None
+  return np.clip(np.round(np.resize(share, rows) * cap), 1, cap).astype(np.int64)
+
+
+def at_cap(cap: int, rows: int) -> np.ndarray:
+  return np.full(rows, cap)
+
+
+@dataclasses.dataclass
+class Prices:
+  """What one chunk of a plan's decode and its neighbours cost (see the docstring)."""
+  kernel: bool           # the TPU paged-attention kernel (reads live pages only)
+  shards: int            # the pool's split over the batch axes
+  page_bytes: float      # one page's KV, all layers, per device
+  decode_fixed: float    # decode_chunk's argument + output bytes without its pool
+  step_bytes: float      # a decode step's bytes without the pool it reads
+  step_flops: float      # a decode step's FLOPs per device per slot
+  place_fixed: float     # place's bytes without the pool
+  prefill_token_s: float  # admit's roofline per prompt token
+  repage_s: float        # one layer's resize (roofline), times layers per resize
+  fixed_s: float         # the programs run once a rollout
+  admit_s: float         # admit's calls as compiled (prompts do not change)
+  peak_flops: float
+  bandwidth: float
+  layers: int
+
+
+def prices(report: dict) -> Prices:
+  """A plan report's programs as `Prices` (its `report` key, `check.report`'s JSON)."""
+  m, b, mesh = report["model"], report["batch"], report["mesh"]
+  target = report["target"]
+  programs = {p["name"]: p for p in report["programs"]}
+  decode_p, place, admit = programs["decode_chunk"], programs["place"], programs["admit"]
+  tensor = mesh.get("tensor", 1)
+  shards = report["devices"] // tensor
+  kv_heads = m["kv_heads"] // tensor if m["kv_heads"] % tensor == 0 else m["kv_heads"]
+  dtype_bytes = 2 if m["dtype"] in ("bfloat16", "float16") else 4
+  page = 64
+  page_bytes = page * 2 * kv_heads * (m["hidden"] // m["heads"]) * dtype_bytes * m["layers"]
+  steps = int(re.match(r"(\d+) decode steps of (\d+) slots over the (\d+)-page",
+                       decode_p["purpose"])[1])
+  slots, pool = map(int, re.match(r"\d+ decode steps of (\d+) slots over the (\d+)-page",
+                                  decode_p["purpose"]).groups())
+  pool_bytes = pool / shards * page_bytes
+  kernel = "tpu_custom_call" in decode_p["custom_calls"]
+  L = decode.length_bucket(b["prompt_tokens"], 16)
+  N = b["response_tokens"]
+  per_row = -(-(L + N) // page)
+  share = (L + N / 2) / (per_row * page) if kernel else 1.0  # as `programs` compiled it
+  streamed = (decode_p["hbm_bytes_per_call"] - decode_p["argument_bytes"]
+              - decode_p["output_bytes"]) / steps
+  prompts_per_admit = int(re.match(r"prefill of (\d+) prompts x (\d+)", admit["purpose"])[1])
+  return Prices(
+      kernel=kernel, shards=shards, page_bytes=page_bytes,
+      decode_fixed=decode_p["argument_bytes"] + decode_p["output_bytes"] - 2 * pool_bytes,
+      step_bytes=streamed - share * pool_bytes,
+      step_flops=decode_p["flops_per_device"] / steps / slots,
+      place_fixed=place["argument_bytes"] + place["output_bytes"] - 2 * pool_bytes,
+      prefill_token_s=admit["roofline_s"] / (prompts_per_admit * L),
+      repage_s=programs["repage_layer"]["roofline_s"] * m["layers"],
+      fixed_s=sum(programs[n]["roofline_s"] * programs[n]["calls_per_step"]
+                  for n in ("rollout_copy", "prepare_layers", "empty")),
+      admit_s=admit["roofline_s"] * admit["calls_per_step"],
+      peak_flops=target["peak_flops"], bandwidth=target["hbm_bandwidth"],
+      layers=m["layers"])
+
+
+def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
+                     capacity: int | None = None, headroom: float = 0.0,
+                     ratio: float | None = None, sizes: list[int] | None = None) -> dict:
+  """The rollout's roofline seconds for rows of `lengths_R` (see the module docstring):
+  in `slots` slots (default: the plan's) with a pool of `capacity` pages (default: every
+  slot's row at its longest) and `headroom`, the pool's sizes on `ratio`'s ladder
+  (default: the engine's) or given as `sizes` (a ladder to compare)."""
+  b = report["batch"]
+  price = prices(report)
+  L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
+  slots = slots or b["max_rows"]
+  table = pages.PageTable(slots, 64, L, N, price.shards, capacity,
+                          ratio=None if price.kernel else (ratio or pages.POOL_RATIO))
+  if sizes is not None:
+    table.sizes, table.owner_P = sizes, np.full(sizes[0], -1)
+  keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
+  trace = schedule.simulate(lengths_R, np.full(len(lengths_R), b["prompt_tokens"]), table, N,
+                            16, keep_free)
+  pool_C = trace.pool_pages_C / price.shards * price.page_bytes
+  read_C = (trace.held_pages_C if price.kernel else trace.pool_pages_C) / price.shards
+  bytes_C = (price.decode_fixed + 2 * pool_C
+             + trace.steps_C * (price.step_bytes + read_C * price.page_bytes))
+  flops_C = price.step_flops * trace.steps_C * trace.slots_C
+  decode_s = np.maximum(flops_C / price.peak_flops, bytes_C / price.bandwidth).sum()
+  place_C = np.ceil(trace.admitted_C / 16) * (price.place_fixed + 2 * pool_C)
+  place_s = place_C.sum() / price.bandwidth
+  resume_s = price.prefill_token_s * (trace.recomputed_tokens + L * trace.resumed)
+  repage_s = price.repage_s * np.count_nonzero(np.diff(trace.pool_pages_C))
+  rollout_s = decode_s + place_s + resume_s + repage_s + price.admit_s + price.fixed_s
+  return dict(rollout_s=float(rollout_s), decode_s=float(decode_s),
+              place_s=float(place_s), resume_s=float(resume_s), repage_s=float(repage_s),
+              slots=slots, capacity_pages=table.sizes[-1],
+              pool_sizes=len(trace.pool_sizes), preemptions=trace.preemptions,
+              recomputed_tokens=trace.recomputed_tokens,
+              mean_length=float(np.mean(lengths_R)),
+              at_cap_share=float(np.mean(np.asarray(lengths_R) >= N)))

@@ -1,0 +1,97 @@
+r"""Which pool-size ladder for XLA's attention: decode programs compiled against the pool
+read in vain, from the plans' compiled programs (JSON).
+
+  python scripts/pool_ladder.py [--plans 'docs/results/aot_*_h*x8.json'] \
+      [--out docs/results/pool_ladder.json]
+
+XLA's paged attention (GPUs, CPUs) reads the whole page pool every decode step, so a
+rollout's tail, a few long rows in a pool sized for many, reads mostly empty pages; each
+pool size is one more `decode_chunk` program to compile. For each plan and each length
+scenario (`aot.lengths.SCENARIOS`, and every row at the cap), the continuous scheduler
+runs without a model (`schedule.simulate`) and its chunks are priced by the plan's
+compiled programs (`lengths.rollout_estimate`), once per ladder: today's before this
+script (8 linear sizes, the smallest 1/8 of the largest), 32 linear sizes, and geometric
+ladders (`pages.ladder`) of ratio 2, sqrt(2) and 2^(1/4) down to one row per shard. The
+JSON has, per plan, scenario and ladder, the rollout's roofline seconds and the sizes it
+used, with the plan's own `decode_chunk` compile seconds (on this host, for that target)
+as the price of each size.
+"""
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from exgrpo_jax.aot import lengths  # pylint: disable=wrong-import-position
+from exgrpo_jax.sampling import decode  # pylint: disable=wrong-import-position
+from exgrpo_jax.sampling import pages  # pylint: disable=wrong-import-position
+
+RATIOS = {"geometric 2": 2.0, "geometric sqrt2": math.sqrt(2), "geometric 2^(1/4)": 2 ** 0.25}
+
+
+def linear(full: int, per_row: int, shards: int, sizes: int) -> list[int]:
+  """`sizes` sizes k/sizes of `full`, in steps of at least a row's pages (the rule
+  before the geometric ladder)."""
+  unit = -(-max(-(-full // sizes), per_row) // shards) * shards
+  return [min(unit * k, full) for k in range(1, -(-full // unit) + 1)]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--plans", default="docs/results/aot_*_h*x8.json")
+  p.add_argument("--out", default="")
+  args = p.parse_args(argv)
+  results = []
+  for path in sorted(glob.glob(args.plans)):
+    with open(path, encoding="utf-8") as f:
+      plan = json.load(f)
+    report = plan.get("report")
+    if not report or not report.get("step_estimate"):
+      continue
+    price = lengths.prices(report)
+    if price.kernel:
+      continue  # the kernel reads live pages only: one pool size
+    b = report["batch"]
+    L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
+    per_row = -(-(L + N) // 64)
+    full = -(-b["max_rows"] * per_row // price.shards) * price.shards
+    ladders = {"linear 8 (before)": linear(full, per_row, price.shards, 8),
+               "linear 32": linear(full, per_row, price.shards, 32)}
+    ladders |= {name: pages.ladder(full, per_row * price.shards, price.shards, ratio)
+                for name, ratio in RATIOS.items()}
+    compile_s = next(q["compile_s"] for q in report["programs"] if q["name"] == "decode_chunk")
+    rows = b["questions"] * b["k"]
+    entry = dict(plan=os.path.basename(path), slots=b["max_rows"], rows=rows,
+                 decode_chunk_compile_s=round(compile_s, 1),
+                 ladder_sizes={k: len(v) for k, v in ladders.items()}, scenarios={})
+    for scenario in [*lengths.SCENARIOS, "at_cap"]:
+      lengths_R = (lengths.at_cap(N, rows) if scenario == "at_cap"
+                   else lengths.scenario(scenario, N, rows))
+      entry["scenarios"][scenario] = {}
+      for name, sizes in ladders.items():
+        est = lengths.rollout_estimate(report, lengths_R, sizes=sizes)
+        entry["scenarios"][scenario][name] = dict(
+            rollout_s=round(est["rollout_s"], 1), sizes_used=est["pool_sizes"],
+            compile_s=round(est["pool_sizes"] * compile_s, 1))
+      print(f"[ladder] {entry['plan']} {scenario}: " + ", ".join(
+          f"{k} {v['rollout_s']} s/{v['sizes_used']}" for k, v in
+          entry["scenarios"][scenario].items()), file=sys.stderr, flush=True)
+    results.append(entry)
+  out = json.dumps(dict(
+      method="roofline seconds of the simulated continuous scheduler (aot.lengths), "
+             "from each plan's compiled programs; compile_s: sizes used x the plan's "
+             "decode_chunk compile seconds on the planning host",
+      scenarios={k: dict(mean_tokens_at_8192=v[0], at_cap_share=v[1])
+                 for k, v in lengths.SCENARIOS.items()},
+      plans=results), indent=1)
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(out + "\n")
+  print(out)
+
+
+if __name__ == "__main__":
+  main()
