@@ -4,6 +4,8 @@ compiler's figures, and writes the report of the chosen settings (JSON).
   .aot/gpu/bin/python scripts/aot_plan.py --config=configs/qwen7b.py --target=h100x8 \
       --out=docs/results/aot_qwen7b_h100x8.json
   python scripts/aot_plan.py --render docs/results/aot_*.json     # docs/aot.md's table
+  python scripts/aot_plan.py --render docs/results/aot_qwen7b_*.json --estimate \
+      [--lengths RECORD.json | --mean 3501 --cap-share 0.09]      # at real lengths
 
 For each mesh fsdp x tensor over the target's devices (tensor 1, 2, 4, and 8 where the
 query heads divide), all layers compiled (`exgrpo_jax.aot`):
@@ -291,6 +293,23 @@ def _read_plan(parser, flag: str, path: str) -> dict:
   return plan_
 
 
+def _estimates(parser, args, plans: dict) -> str:
+  """`lengths.table` of the fitting plans, or one line naming the bad length argument."""
+  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+  if args.mean is not None and not (args.mean > 0 and 0 <= args.cap_share < 1):
+    parser.error(f"--mean {args.mean:g} --cap-share {args.cap_share:g}: give a mean above "
+                 "0 and a share at the cap in [0, 1)")
+  named = sorted(((p["config"].removeprefix("configs/").removesuffix(".py"), p)
+                  for p in plans.values() if p.get("fits") and "report" in p),
+                 key=lambda t: (t[0], t[1]["target"]))
+  try:
+    return lengths.table(named, path=args.lengths, mean=args.mean, cap_share=args.cap_share)
+  except OSError as e:
+    parser.error(f"--lengths {args.lengths}: {e.strerror}")
+  except ValueError as e:
+    parser.error(str(e))
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="aot_plan.py", description=__doc__.split("\n")[0])
   parser.add_argument("--config", help="configs/NAME.py")
@@ -299,6 +318,13 @@ def main(argv=None) -> None:
   parser.add_argument("--like", help="a plan JSON of a config with the same shapes on the "
                       "same target: compile its choice instead of searching")
   parser.add_argument("--render", nargs="+", help="render these plan JSON files")
+  parser.add_argument("--estimate", action="store_true", help="with --render: the "
+                      "rollout's seconds at real lengths too (exgrpo_jax.aot.lengths): the "
+                      "three scenarios, or --lengths / --mean, and all rows at the cap")
+  parser.add_argument("--lengths", help="scripts/record_rollout_lengths.py's JSON")
+  parser.add_argument("--mean", type=float, help="a mean response length (tokens)")
+  parser.add_argument("--cap-share", type=float, default=0.0,
+                      help="with --mean: the share of responses at the cap")
   args = parser.parse_args(argv)
   if args.render:
     paths = _plan_files(parser, args.render)
@@ -306,6 +332,8 @@ def main(argv=None) -> None:
     if not any("config" in p for p in plans.values()):
       parser.error(f"--render: none of {', '.join(paths)} is a plan (no 'config' key)")
     print(render(paths))
+    if args.estimate:
+      print("\n" + _estimates(parser, args, plans))
     return
   if not (args.config and args.target and args.out):
     parser.error("give --config, --target and --out (or --render FILES)")

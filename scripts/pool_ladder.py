@@ -9,9 +9,10 @@ rollout's tail, a few long rows in a pool sized for many, reads mostly empty pag
 pool size is one more `decode_chunk` program to compile. For each plan and each length
 scenario (`aot.lengths.SCENARIOS`, and every row at the cap), the continuous scheduler
 runs without a model (`schedule.simulate`) and its chunks are priced by the plan's
-compiled programs (`lengths.rollout_estimate`), once per ladder: today's before this
-script (8 linear sizes, the smallest 1/8 of the largest), 32 linear sizes, and geometric
-ladders (`pages.ladder`) of ratio 2, sqrt(2) and 2^(1/4) down to one row per shard. The
+compiled programs (`lengths.rollout_estimate`), once per ladder: the one before this
+script (8 linear sizes, the smallest 1/8 of the largest), 16, 32 and 64 linear sizes,
+a geometric one of ratio sqrt(2) down to one row per shard, and the engine's
+(`pages.ladder`: 32 linear sizes, then halves of the smallest down to one row a shard). The
 JSON has, per plan, scenario and ladder, the rollout's roofline seconds and the sizes it
 used, with the plan's own `decode_chunk` compile seconds (on this host, for that target)
 as the price of each size.
@@ -29,7 +30,6 @@ from exgrpo_jax.aot import lengths  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import decode  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import pages  # pylint: disable=wrong-import-position
 
-RATIOS = {"geometric 2": 2.0, "geometric sqrt2": math.sqrt(2), "geometric 2^(1/4)": 2 ** 0.25}
 
 
 def linear(full: int, per_row: int, shards: int, sizes: int) -> list[int]:
@@ -37,6 +37,15 @@ def linear(full: int, per_row: int, shards: int, sizes: int) -> list[int]:
   before the geometric ladder)."""
   unit = -(-max(-(-full // sizes), per_row) // shards) * shards
   return [min(unit * k, full) for k in range(1, -(-full // unit) + 1)]
+
+
+def geometric(full: int, floor: int, shards: int, ratio: float = math.sqrt(2)) -> list[int]:
+  """`full`, full / ratio, full / ratio^2, ... down to `floor`, multiples of `shards`."""
+  sizes, size = {full}, full
+  while size > floor:
+    size = max(size / ratio, floor)
+    sizes.add(min(-(-math.ceil(size) // shards) * shards, full))
+  return sorted(sizes)
 
 
 def main(argv=None):
@@ -58,10 +67,11 @@ def main(argv=None):
     L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
     per_row = -(-(L + N) // 64)
     full = -(-b["max_rows"] * per_row // price.shards) * price.shards
-    ladders = {"linear 8 (before)": linear(full, per_row, price.shards, 8),
-               "linear 32": linear(full, per_row, price.shards, 32)}
-    ladders |= {name: pages.ladder(full, per_row * price.shards, price.shards, ratio)
-                for name, ratio in RATIOS.items()}
+    ladders = {f"linear {n}" + (" (before)" if n == 8 else ""):
+               linear(full, per_row, price.shards, n) for n in (8, 16, 32, 64)}
+    ladders["geometric sqrt2"] = geometric(full, per_row * price.shards, price.shards)
+    ladders[f"linear {pages.POOL_STEPS}, then halves (chosen)"] = pages.ladder(
+        full, per_row, price.shards, pages.POOL_STEPS)
     compile_s = next(q["compile_s"] for q in report["programs"] if q["name"] == "decode_chunk")
     rows = b["questions"] * b["k"]
     entry = dict(plan=os.path.basename(path), slots=b["max_rows"], rows=rows,

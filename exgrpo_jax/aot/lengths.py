@@ -60,7 +60,10 @@ def recorded(path: str, cap: int, rows: int) -> np.ndarray:
   """Lengths from `scripts/record_rollout_lengths.py`'s JSON, each as its share of that
   record's cap, scaled to `cap` and resampled (in order, cycled) to `rows`."""
   with open(path, encoding="utf-8") as f:
-    record = json.load(f)
+    try:
+      record = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path}: not a JSON file ({e})") from None
   try:
     share = np.asarray(record["response_lens"], float) / record["max_new_tokens"]
   except (KeyError, TypeError) as e:
@@ -133,17 +136,17 @@ def prices(report: dict) -> Prices:
 
 def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
                      capacity: int | None = None, headroom: float = 0.0,
-                     ratio: float | None = None, sizes: list[int] | None = None) -> dict:
+                     sizes: list[int] | None = None) -> dict:
   """The rollout's roofline seconds for rows of `lengths_R` (see the module docstring):
   in `slots` slots (default: the plan's) with a pool of `capacity` pages (default: every
-  slot's row at its longest) and `headroom`, the pool's sizes on `ratio`'s ladder
-  (default: the engine's) or given as `sizes` (a ladder to compare)."""
+  slot's row at its longest) and `headroom`, the pool's sizes the engine's
+  (`pages.ladder`) or `sizes` (a ladder to compare)."""
   b = report["batch"]
   price = prices(report)
   L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
   slots = slots or b["max_rows"]
   table = pages.PageTable(slots, 64, L, N, price.shards, capacity,
-                          ratio=None if price.kernel else (ratio or pages.POOL_RATIO))
+                          steps=None if price.kernel else pages.POOL_STEPS)
   if sizes is not None:
     table.sizes, table.owner_P = sizes, np.full(sizes[0], -1)
   keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
@@ -167,3 +170,45 @@ def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
               recomputed_tokens=trace.recomputed_tokens,
               mean_length=float(np.mean(lengths_R)),
               at_cap_share=float(np.mean(np.asarray(lengths_R) >= N)))
+
+
+def distributions(cap: int, rows: int, path: str | None = None,
+                  mean: float | None = None, cap_share: float = 0.0) -> dict:
+  """The length distributions to estimate at: the one given (a record, or a mean and a
+  share at the cap), else the three SCENARIOS; and every row at the cap."""
+  if path:
+    given = {f"recorded ({path.rsplit('/', 1)[-1]})": recorded(path, cap, rows)}
+  elif mean is not None:
+    given = {f"mean {mean:g}, {cap_share:.0%} at cap": from_mean(mean, cap_share, cap, rows)}
+  else:
+    given = {name: scenario(name, cap, rows) for name in SCENARIOS}
+  return given | {"at cap": at_cap(cap, rows)}
+
+
+def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
+  """Markdown: per plan, the rollout's roofline seconds as compiled (every row at the
+  cap, `check.step_estimate`) and simulated at each distribution (`distributions`), in
+  today's slots and with admission: every row of the step in a slot, the same pool,
+  `headroom` kept free (preemptions in brackets)."""
+  lines = []
+  for name, plan in plans:
+    b = plan["report"]["batch"]
+    rows, cap = b["questions"] * b["k"], b["response_tokens"]
+    dists = distributions(cap, rows, **given)
+    if not lines:
+      lines = [" | ".join(["| config | target | rows per call | compiled s (all at cap)",
+                           *(f"{d} s" for d in dists),
+                           *(f"admitting, {d} s" for d in dists)]) + " |",
+               "|" + "---|" * (4 + 2 * len(dists))]
+    price = prices(plan["report"])
+    pool = -(-b["max_rows"] * -(-(decode.length_bucket(b["prompt_tokens"], 16) + cap) // 64)
+             // price.shards) * price.shards
+    today = [rollout_estimate(plan["report"], d) for d in dists.values()]
+    admitting = [rollout_estimate(plan["report"], d, slots=rows, capacity=pool,
+                                  headroom=headroom) for d in dists.values()]
+    lines.append(" | ".join([
+        f"| {name} | {plan['target']} | {b['max_rows']}",
+        f"{plan['report']['step_estimate']['rollout_s']:.0f}",
+        *(f"{e['rollout_s']:.0f}" for e in today),
+        *(f"{e['rollout_s']:.0f} ({e['preemptions']})" for e in admitting)]) + " |")
+  return "\n".join(lines)

@@ -6,10 +6,10 @@ cut into pages of T addresses, and its page j (addresses jT to jT + T - 1) is th
 page `table_BxN[b, j]` (-1: none). A row gets each page only when its next chunk reaches
 it, so the pool holds what the live rows have written, not B times the longest row. XLA's
 attention reads the whole pool every step, so there the pool takes one of the sizes of
-a geometric ladder (`ladder`: from its capacity down by POOL_RATIO to one row per
-shard, multiples of the mesh's batch split); `fit` picks the smallest that holds the
+a ladder (`ladder`: POOL_STEPS equal steps up to its capacity, halves below the first
+down to one row per shard, multiples of the mesh's batch split); `fit` picks the smallest that holds the
 next chunk's pages and, when that changes, the pool's new page order (`slots.repage`):
-the held pages first. The TPU kernel reads only a row's own pages, so there (`ratio`
+the held pages first. The TPU kernel reads only a row's own pages, so there (`steps`
 None) the pool is allocated at its capacity once and never moves. The capacity is
 `capacity` (`rollout.kv_pages`), by default every slot's row at its longest.
 Below that default the pool cannot hold every slot's row at its longest: the scheduler
@@ -27,18 +27,26 @@ import math
 
 import numpy as np
 
-# The ladder's step: each size 1/sqrt(2) of the next (scripts/pool_ladder.py weighs the
-# decode programs a finer ladder compiles against the pool a coarser one reads in vain).
-POOL_RATIO = math.sqrt(2)
+# The ladder: POOL_STEPS equal steps up to the pool's capacity, and below the first, halves
+# down to one row per shard (scripts/pool_ladder.py weighs the decode programs a finer
+# ladder compiles against the pool a coarser one reads in vain).
+POOL_STEPS = 32
 
 
-def ladder(full: int, floor: int, shards: int, ratio: float | None) -> list[int]:
-  """The pool's sizes, ascending: `full`, full / ratio, full / ratio^2, ... down to
-  `floor`, each rounded up to a multiple of `shards` (only `full` where ratio is None)."""
-  sizes, size = {full}, full
-  while ratio is not None and size > floor:
-    size = max(size / ratio, floor)
-    sizes.add(min(-(-math.ceil(size) // shards) * shards, full))
+def ladder(full: int, per_row: int, shards: int, steps: int | None) -> list[int]:
+  """The pool's sizes, ascending: k x full / `steps` for k = 1 .. steps (steps of at
+  least a row's `per_row` pages: no more programs for a small pool), then halves of the
+  smallest down to one row per shard, each a multiple of `shards` (only `full` where
+  `steps` is None)."""
+  if steps is None:
+    return [full]
+  round_up = lambda n: -(-n // shards) * shards
+  unit = round_up(max(-(-full // steps), per_row))
+  sizes = {min(unit * k, full) for k in range(1, -(-full // unit) + 1)}
+  size, floor = unit, per_row * shards
+  while size > floor:
+    size = max(size / 2, floor)
+    sizes.add(min(round_up(math.ceil(size)), full))
   return sorted(sizes)
 
 
@@ -47,7 +55,7 @@ class PageTable:
 
   def __init__(self, slots: int, page_size: int, prompt_len: int, max_new_tokens: int,
                shards: int, capacity: int | None = None,
-               ratio: float | None = POOL_RATIO):
+               steps: int | None = POOL_STEPS):
     self.T, self.L, self.shards = page_size, prompt_len, shards
     pages_per_row = -(-(prompt_len + max_new_tokens) // page_size)
     round_up = lambda n, m: -(-n // m) * m
@@ -61,7 +69,7 @@ class PageTable:
             f"of {page_size} for {prompt_len} prompt + {max_new_tokens} new tokens), which "
             "could never finish; raise it or lower rollout.max_new_tokens")
       full = min(full, capacity // shards * shards)
-    self.sizes = ladder(full, pages_per_row * shards, shards, ratio)
+    self.sizes = ladder(full, pages_per_row, shards, steps)
     self.table_BxN = np.full((slots, pages_per_row), -1)
     self.owner_P = np.full(self.sizes[0], -1)  # the slot holding each page (-1: free)
 
@@ -92,7 +100,8 @@ class PageTable:
     self.table_BxN = self.table_BxN[keep_C]
     self.owner_P = np.where(self.owner_P >= 0, slot_of[self.owner_P], -1)
 
-  def _shard_of_slot(self, b):
+  def shard_of(self, b):
+    """The shard of slot(s) b."""
     return b // (self.slots // self.shards)
 
   @property
@@ -101,15 +110,13 @@ class PageTable:
 
   def need(self, ends_B: np.ndarray) -> np.ndarray:
     """[shards]: the pages each shard's slots need for their addresses below `ends_B`."""
-    return np.bincount(self._shard_of_slot(np.arange(self.slots)),
+    return np.bincount(self.shard_of(np.arange(self.slots)),
                        weights=-(-np.asarray(ends_B) // self.T), minlength=self.shards)
 
-  def room(self, b: int, end: int, ends_B: np.ndarray, keep_free: int) -> bool:
-    """Whether slot b's shard has the pages for a row's addresses below `end` beside its
-    other slots' below `ends_B`, with `keep_free` pages to spare (an empty shard always
-    does: one row at its longest fits, `__init__` checks)."""
-    s = self._shard_of_slot(b)
-    need = self.need(ends_B)[s]
+  def room(self, need: float, end: int, keep_free: int) -> bool:
+    """Whether a shard whose slots need `need` pages has those of a row's addresses
+    below `end` too, with `keep_free` pages to spare (an empty shard always does: one
+    row at its longest fits, `__init__` checks)."""
     return not need or need + -(-end // self.T) + keep_free <= self.capacity_per_shard
 
   def fit(self, ends_B: np.ndarray) -> np.ndarray | None:
@@ -143,7 +150,7 @@ class PageTable:
     miss_b, miss_j = np.nonzero((self.table_BxN < 0)
                                 & (np.arange(self.table_BxN.shape[1]) < last_B[:, None]))
     per = self.pages // self.shards
-    shard_M = self._shard_of_slot(miss_b)
+    shard_M = self.shard_of(miss_b)
     for s in np.unique(shard_M):
       mine = shard_M == s
       given = np.flatnonzero(self.owner_P[s * per:(s + 1) * per] < 0)[:mine.sum()] + s * per

@@ -62,8 +62,16 @@ class Scheduler:
       self.slot_row_B[b], ends_B[b], stopped_B[b] = -1, 0, True
       table.release(b)
     free, new_rows = [], []
+    need_S, full = table.need(ends_B), set()  # full: shards without room for the next
     for b in _free_slots(self.slot_row_B, shards):
-      if self.pending and table.room(b, self.end_of(self.pending[0]), ends_B, self.keep_free):
+      if not self.pending or len(full) == shards:
+        break
+      s, end = table.shard_of(b), self.end_of(self.pending[0])
+      if s in full or not table.room(need_S[s], end, self.keep_free):
+        full.add(s)
+      else:
+        need_S[s] += -(-end // table.T)
+        full.clear()
         free.append(b)
         new_rows.append(self.pending.popleft())
         table.release(b)

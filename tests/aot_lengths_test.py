@@ -1,0 +1,92 @@
+"""Rollout estimates at real lengths (exgrpo_jax.aot.lengths) from the committed plans."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from exgrpo_jax.aot import lengths
+from tests import conftest
+
+RESULTS = os.path.join(conftest.REPO_ROOT, "docs", "results")
+
+
+def _report(name: str) -> dict:
+  with open(os.path.join(RESULTS, f"aot_{name}.json"), encoding="utf-8") as f:
+    return json.load(f)["report"]
+
+
+def _decode(report: dict) -> dict:
+  return next(p for p in report["programs"] if p["name"] == "decode_chunk")
+
+
+def test_a_full_pool_of_rows_at_the_cap_costs_the_compiled_chunks():
+  # XLA's attention on 8 H100s: one wave of 832 rows at 8,192 tokens, the pool held at
+  # the size it was compiled with, is 512 chunks of the compiled decode_chunk's roofline.
+  report = _report("qwen7b_h100x8")
+  full = int(_decode(report)["purpose"].split("over the ")[1].split("-page")[0])
+  est = lengths.rollout_estimate(report, lengths.at_cap(8192, 832), sizes=[full])
+  np.testing.assert_allclose(est["decode_s"], 512 * _decode(report)["roofline_s"], rtol=1e-9)
+  # The TPU kernel reads live pages: at chunk ends rather than the compile's mid-life mean.
+  report = _report("qwen7b_v5e-16")
+  est = lengths.rollout_estimate(report, lengths.at_cap(8192, 64))
+  np.testing.assert_allclose(est["decode_s"], 512 * _decode(report)["roofline_s"], rtol=3e-3)
+
+
+def test_shorter_rows_cost_less_and_admission_spends_the_same_pool_on_more_rows():
+  report = _report("qwen7b_v5e-16")  # 64 rows per call of 1,024
+  mid = lengths.scenario("mid", 8192, 1024)
+  at_cap = lengths.rollout_estimate(report, lengths.at_cap(8192, 1024))
+  today = lengths.rollout_estimate(report, mid)
+  assert today["rollout_s"] < at_cap["rollout_s"] / 2
+  pool = today["capacity_pages"]
+  admitting = lengths.rollout_estimate(report, mid, slots=1024, capacity=pool, headroom=0.1)
+  assert admitting["capacity_pages"] == pool and admitting["rollout_s"] < today["rollout_s"]
+  eager = lengths.rollout_estimate(report, mid, slots=1024, capacity=pool, headroom=0.0)
+  assert eager["preemptions"] > admitting["preemptions"]
+  assert eager["recomputed_tokens"] > 0
+
+
+def test_scenarios_have_their_mean_and_share_at_the_cap_every_time():
+  for name, (mean, share) in lengths.SCENARIOS.items():
+    lengths_R = lengths.scenario(name, 8192, 1024)
+    np.testing.assert_allclose(lengths_R.mean(), mean, rtol=0.01)
+    np.testing.assert_allclose((lengths_R == 8192).mean(), share, atol=1 / 1024)
+    assert lengths_R.min() >= 1 and lengths_R.max() <= 8192
+    np.testing.assert_array_equal(lengths_R, lengths.scenario(name, 8192, 1024))
+  np.testing.assert_allclose(lengths.scenario("mid", 4096, 512).mean(), 3501 / 2, rtol=0.01)
+  with pytest.raises(ValueError, match="a mean of 3000 tokens with 50% at the cap of 8192"):
+    lengths.from_mean(3000, 0.5, 8192, 100)
+
+
+def test_recorded_lengths_keep_their_share_of_the_cap(tmp_path):
+  path = os.path.join(RESULTS, "smollm2_gsm8k_rollout_lengths.json")
+  with open(path, encoding="utf-8") as f:
+    record = json.load(f)
+  lengths_R = lengths.recorded(path, 8192, 1024)
+  share = np.asarray(record["response_lens"]) / record["max_new_tokens"]
+  np.testing.assert_allclose(lengths_R.mean() / 8192, np.resize(share, 1024).mean(),
+                             atol=1e-3)
+  bad = tmp_path / "bad.json"
+  bad.write_text("{}")
+  with pytest.raises(ValueError, match=r"bad.json: not a record of rollout lengths"):
+    lengths.recorded(str(bad), 8192, 16)
+  bad.write_text("x")
+  with pytest.raises(ValueError, match=r"bad.json: not a JSON file"):
+    lengths.recorded(str(bad), 8192, 16)
+
+
+def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys):
+  from scripts import aot_plan  # pylint: disable=g-import-not-at-top
+  aot_plan.main(["--render", os.path.join(RESULTS, "aot_qwen7b_v5e-16.json"), "--estimate",
+                 "--mean", "3501", "--cap-share", "0.09"])
+  out = capsys.readouterr().out.splitlines()
+  header = next(l for l in out if l.startswith("| config | target | rows per call | compiled"))
+  assert "mean 3501, 9% at cap s" in header and "admitting, at cap s" in header
+  row = next(l for l in out[out.index(header):] if l.startswith("| qwen7b | v5e-16 | 64 |"))
+  assert row.split(" | ")[3] == "792"  # the compiled estimate, every row at the cap
+  with pytest.raises(SystemExit):
+    aot_plan.main(["--render", os.path.join(RESULTS, "aot_qwen7b_v5e-16.json"), "--estimate",
+                   "--mean", "9000", "--cap-share", "0.5"])
+  assert "a mean of 9000 tokens with 50% at the cap" in capsys.readouterr().err
