@@ -71,7 +71,7 @@ def main(argv=None):
                linear(full, per_row, price.shards, n) for n in (8, 16, 32, 64)}
     ladders["geometric sqrt2"] = geometric(full, per_row * price.shards, price.shards)
     ladders[f"linear {pages.POOL_STEPS}, then halves (chosen)"] = pages.ladder(
-        full, per_row, price.shards, pages.POOL_STEPS)
+        full, per_row, price.shards)
     compile_s = next(q["compile_s"] for q in report["programs"] if q["name"] == "decode_chunk")
     rows = b["questions"] * b["k"]
     entry = dict(plan=os.path.basename(path), slots=b["max_rows"], rows=rows,

@@ -24,13 +24,13 @@ def _decode(report: dict) -> dict:
 def test_a_full_pool_of_rows_at_the_cap_costs_the_compiled_chunks():
   # XLA's attention on 8 H100s: one wave of 832 rows at 8,192 tokens, the pool held at
   # the size it was compiled with, is 512 chunks of the compiled decode_chunk's roofline.
+  pool = lambda report: int(_decode(report)["purpose"].split("over the ")[1].split("-")[0])
   report = _report("qwen7b_h100x8")
-  full = int(_decode(report)["purpose"].split("over the ")[1].split("-page")[0])
-  est = lengths.rollout_estimate(report, lengths.at_cap(8192, 832), sizes=[full])
+  est = lengths.rollout_estimate(report, lengths.at_cap(8192, 832), sizes=[pool(report)])
   np.testing.assert_allclose(est["decode_s"], 512 * _decode(report)["roofline_s"], rtol=1e-9)
   # The TPU kernel reads live pages: at chunk ends rather than the compile's mid-life mean.
   report = _report("qwen7b_v5e-16")
-  est = lengths.rollout_estimate(report, lengths.at_cap(8192, 64))
+  est = lengths.rollout_estimate(report, lengths.at_cap(8192, 64), sizes=[pool(report)])
   np.testing.assert_allclose(est["decode_s"], 512 * _decode(report)["roofline_s"], rtol=3e-3)
 
 

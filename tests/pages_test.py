@@ -57,12 +57,13 @@ def _held(table: pages.PageTable, b: int) -> list[int]:
   return [int(p) for p in table.table_BxN[b] if p >= 0]
 
 
-def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrinks():
+def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrinks(
+    monkeypatch):
   # 3 slots, pages of 4 slots, prompt bucket 8, 16 new tokens: 6 pages a row, 18 in all,
-  # pool sizes 18, 9 and one row's 6 (2 steps, then a half down to a row). Addresses are positions: a
-  # prompt starts at 0.
-  table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, shards=1,
-                          steps=2)
+  # pool sizes 18, 9 and one row's 6 (2 steps, then a half down to a row). Addresses
+  # are positions: a prompt starts at 0.
+  monkeypatch.setattr(pages, "POOL_STEPS", 2)
+  table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, shards=1)
   assert table.sizes == [6, 9, 18] and table.pages == 6
   assert table.fit(np.array([7, 12, 0])) is None  # pages 0-1 and 0-2: 5 of 6
   assert len(_held(table, 0)) == 2 and len(_held(table, 1)) == 3
@@ -94,24 +95,24 @@ def test_page_table_gives_pages_as_rows_advance_and_compacts_when_the_pool_shrin
   assert (table.owner_P[held_by_2] == 0).all()
 
 
-def test_the_ladder_steps_equally_then_halves_down_to_one_row_per_shard():
-  assert pages.ladder(96, 6, 1, 4) == [6, 12, 24, 48, 72, 96]
-  assert pages.ladder(96, 3, 2, 4) == [6, 12, 24, 48, 72, 96]  # one row per shard
-  assert pages.ladder(96, 7, 2, 4) == [14, 24, 48, 72, 96]  # multiples of the shards
-  assert pages.ladder(96, 40, 1, 4) == [40, 80, 96]  # steps of at least a row
-  assert pages.ladder(18, 6, 1, None) == [18]  # the kernel's pool: its capacity, once
-  assert pages.ladder(6, 6, 1, 32) == [6]
-  table = pages.PageTable(3, page_size=4, prompt_len=8, max_new_tokens=16, shards=1,
-                          steps=None)
-  assert table.sizes == [18] and table.pages == 18
+def test_the_ladder_steps_equally_then_halves_down_to_one_row_per_shard(monkeypatch):
+  monkeypatch.setattr(pages, "POOL_STEPS", 4)
+  assert pages.ladder(96, 6, 1) == [6, 12, 24, 48, 72, 96]
+  assert pages.ladder(96, 3, 2) == [6, 12, 24, 48, 72, 96]  # one row per shard
+  assert pages.ladder(96, 7, 2) == [14, 24, 48, 72, 96]  # multiples of the shards
+  assert pages.ladder(96, 40, 1) == [40, 80, 96]  # steps of at least a row
+  assert pages.ladder(6, 6, 1) == [6]
+  # The kernel reads a row's own pages only: equal steps, no halves below them.
+  assert pages.ladder(96 * 2, 2, 1, kernel=True) == [24 * k for k in range(1, 9)]
 
 
-def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool():
+def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool(monkeypatch):
   """Slots and pages split in 2 (the mesh's batch axes): slots 0-1 use pages of the
   first half, slots 2-3 of the second; `select` keeps each row in its half, so a resize
   moves every page within its half, with its contents, and a select that would move a
   row to the other half is refused."""
-  table = pages.PageTable(4, page_size=4, prompt_len=8, max_new_tokens=8, shards=2, steps=2)
+  monkeypatch.setattr(pages, "POOL_STEPS", 2)
+  table = pages.PageTable(4, page_size=4, prompt_len=8, max_new_tokens=8, shards=2)
   assert table.sizes == [8, 16]  # one row a shard, every row at its longest
   half = lambda: table.pages // 2
   table.fit(np.array([16, 0, 16, 5]))  # the second half needs 6 pages: the larger pool

@@ -48,7 +48,7 @@ def from_mean(mean: float, cap_share: float, cap: int, rows: int, seed: int = 0)
   at_cap = round(cap_share * rows)
   below = (mean * rows - at_cap * cap) / max(rows - at_cap, 1) / cap
   if not 0 < below < 1:
-    raise ValueError(f"a mean of {mean} tokens with {cap_share:.0%} at the cap of {cap} "
+    raise ValueError(f"a mean of {mean:g} tokens with {cap_share:.0%} at the cap of {cap} "
                      "leaves no lengths below the cap")
   draws = np.random.default_rng(seed).beta(2.0, 2.0 * (1 - below) / below, rows - at_cap)
   draws *= below / draws.mean()  # the mean exactly, not just in expectation
@@ -146,7 +146,7 @@ def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
   L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
   slots = slots or b["max_rows"]
   table = pages.PageTable(slots, 64, L, N, price.shards, capacity,
-                          steps=None if price.kernel else pages.POOL_STEPS)
+                          kernel=price.kernel)
   if sizes is not None:
     table.sizes, table.owner_P = sizes, np.full(sizes[0], -1)
   keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0

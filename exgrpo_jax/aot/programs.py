@@ -164,7 +164,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
         resident=lambda _: learner_state)]
   kernel = paged_kernel.wanted(pcfg, mesh, slots)
   table = pages.PageTable(slots, engine.page_size, L, N, sharding.batch_shards(mesh),
-                          steps=None if kernel else pages.POOL_STEPS)
+                          kernel=kernel)
   pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
   grows_from = table.sizes[-2] if len(table.sizes) > 1 else pool  # the costliest growth
   A = min(continuous.MAX_ROWS, slots)

@@ -88,7 +88,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   shards = sharding.batch_shards(mesh)
   kernel = paged_kernel.wanted(engine.program_cfg, mesh, B)
   table = pages_lib.PageTable(B, page_size, prompt_len, N, shards, capacity,
-                              steps=None if kernel else pages_lib.POOL_STEPS)
+                              kernel=kernel)
   keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(

@@ -4,14 +4,14 @@ A row addresses its KV cache by position: address a is the key/value of its toke
 position a (its prompt from 0, then its step-t token at prompt length + t). Its cache is
 cut into pages of T addresses, and its page j (addresses jT to jT + T - 1) is the pool
 page `table_BxN[b, j]` (-1: none). A row gets each page only when its next chunk reaches
-it, so the pool holds what the live rows have written, not B times the longest row. XLA's
-attention reads the whole pool every step, so there the pool takes one of the sizes of
-a ladder (`ladder`: POOL_STEPS equal steps up to its capacity, halves below the first
-down to one row per shard, multiples of the mesh's batch split); `fit` picks the smallest that holds the
-next chunk's pages and, when that changes, the pool's new page order (`slots.repage`):
-the held pages first. The TPU kernel reads only a row's own pages, so there (`steps`
-None) the pool is allocated at its capacity once and never moves. The capacity is
-`capacity` (`rollout.kv_pages`), by default every slot's row at its longest.
+it, so the pool holds what the live rows have written, not B times the longest row. The
+pool takes one of the sizes of a ladder (`ladder`, multiples of the mesh's batch split)
+up to its capacity (`capacity`, `rollout.kv_pages`; by default every slot's row at its
+longest): XLA's attention reads the whole pool every step, so there POOL_STEPS equal
+steps and halves below the first down to one row per shard; the TPU kernel reads only a
+row's own pages, so there KERNEL_POOL_STEPS equal steps. `fit` picks the smallest size
+that holds the next chunk's pages and, when that changes, the pool's new page order
+(`slots.repage`): the held pages first.
 Below that default the pool cannot hold every slot's row at its longest: the scheduler
 admits a row only where its shard has the pages for its next chunk, and preempts rows
 when they run out (`continuous`), using `need`, `room` and `capacity_per_shard`.
@@ -27,24 +27,25 @@ import math
 
 import numpy as np
 
-# The ladder: POOL_STEPS equal steps up to the pool's capacity, and below the first, halves
-# down to one row per shard (scripts/pool_ladder.py weighs the decode programs a finer
-# ladder compiles against the pool a coarser one reads in vain).
+# XLA's attention reads the whole pool each step: POOL_STEPS equal steps up to the
+# capacity, then halves down to one row per shard (scripts/pool_ladder.py weighs the
+# decode programs a finer ladder compiles against the pool a coarser one reads in vain).
+# The TPU kernel reads only each row's pages, so there sizes only bound memory: the 8
+# equal steps of before, no more programs.
 POOL_STEPS = 32
+KERNEL_POOL_STEPS = 8
 
 
-def ladder(full: int, per_row: int, shards: int, steps: int | None) -> list[int]:
-  """The pool's sizes, ascending: k x full / `steps` for k = 1 .. steps (steps of at
-  least a row's `per_row` pages: no more programs for a small pool), then halves of the
-  smallest down to one row per shard, each a multiple of `shards` (only `full` where
-  `steps` is None)."""
-  if steps is None:
-    return [full]
+def ladder(full: int, per_row: int, shards: int, kernel: bool = False) -> list[int]:
+  """The pool's sizes, ascending: k x full / steps for k = 1 .. steps (steps of at least
+  a row's `per_row` pages: no more programs for a small pool), then, for XLA's
+  attention, halves of the smallest down to one row per shard; each a multiple of
+  `shards`."""
   round_up = lambda n: -(-n // shards) * shards
-  unit = round_up(max(-(-full // steps), per_row))
+  unit = round_up(max(-(-full // (KERNEL_POOL_STEPS if kernel else POOL_STEPS)), per_row))
   sizes = {min(unit * k, full) for k in range(1, -(-full // unit) + 1)}
   size, floor = unit, per_row * shards
-  while size > floor:
+  while not kernel and size > floor:
     size = max(size / 2, floor)
     sizes.add(min(round_up(math.ceil(size)), full))
   return sorted(sizes)
@@ -55,7 +56,7 @@ class PageTable:
 
   def __init__(self, slots: int, page_size: int, prompt_len: int, max_new_tokens: int,
                shards: int, capacity: int | None = None,
-               steps: int | None = POOL_STEPS):
+               kernel: bool = False):
     self.T, self.L, self.shards = page_size, prompt_len, shards
     pages_per_row = -(-(prompt_len + max_new_tokens) // page_size)
     round_up = lambda n, m: -(-n // m) * m
@@ -69,7 +70,7 @@ class PageTable:
             f"of {page_size} for {prompt_len} prompt + {max_new_tokens} new tokens), which "
             "could never finish; raise it or lower rollout.max_new_tokens")
       full = min(full, capacity // shards * shards)
-    self.sizes = ladder(full, pages_per_row, shards, steps)
+    self.sizes = ladder(full, pages_per_row, shards, kernel)
     self.table_BxN = np.full((slots, pages_per_row), -1)
     self.owner_P = np.full(self.sizes[0], -1)  # the slot holding each page (-1: free)
 
