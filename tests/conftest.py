@@ -16,6 +16,16 @@ if os.path.isdir(SHARED_DATA):
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+  """Each test module starts without the compiled programs of the ones before. A CPU
+  executable holds 3 memory maps while JAX caches it; the whole suite in one process
+  kept tens of thousands, and near the end XLA crashed compiling (SIGSEGV, SIGABRT at
+  trainer_test in CI, stop 44) at Linux's 65,530 maps a process (vm.max_map_count)."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _no_persistent_compile_cache(monkeypatch):
   """The CLIs' `main` turns JAX's persistent cache on for the whole process; called
