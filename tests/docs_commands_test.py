@@ -193,6 +193,9 @@ COMMANDS = [
     Command("python scripts/aot_plan.py --render docs/results/aot_*.json",
             run="{python} scripts/aot_plan.py --render docs/results/aot_*.json",
             expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 832 \|"),
+    Command("python scripts/aot_plan.py --render docs/results/aot_*.json --estimate",
+            covered="tests/aot_lengths_test.py::"
+            "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
     Command("python scripts/bench_attention_memory.py",
             run="{python} scripts/bench_attention_memory.py --lengths 256 --layers 1 "
             "--attention blockwise", expect=r'"temp_gib"', slow=True),
