@@ -18,11 +18,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_compile_caches():
-  """Each test module starts without the compiled programs of the ones before. A CPU
-  executable holds 3 memory maps while JAX caches it; the whole suite in one process
-  kept tens of thousands, and near the end XLA crashed compiling (SIGSEGV, SIGABRT at
-  trainer_test in CI, stop 44) at Linux's 65,530 maps a process (vm.max_map_count)."""
+  """Each test module starts without the compiled programs of the ones before (JAX's
+  caches and the JAX engine's, kept for the process). A CPU executable holds 3 memory
+  maps while alive; the whole suite in one process kept tens of thousands, and near its
+  end XLA crashed compiling (SIGSEGV; SIGABRT at trainer_test in CI, stop 44) at Linux's
+  65,530 maps a process (vm.max_map_count)."""
   yield
+  from exgrpo_jax.sampling import jax_engine  # pylint: disable=g-import-not-at-top
+  jax_engine._COMPILED.clear()  # pylint: disable=protected-access
   jax.clear_caches()
 
 
