@@ -269,7 +269,7 @@ COMMANDS = [
     Command("python scripts/pool_ladder.py --out docs/results/pool_ladder.json",
             run="{python} scripts/pool_ladder.py --plans docs/results/aot_qwen1_5b_h100x8.json",
             expect=r'"linear 32, then halves \(chosen\)"', slow=True),
-    Command("python scripts/bench_admission.py",
+    Command("python scripts/bench_admission.py --repeats 1",
             run="{python} scripts/bench_admission.py --model {tiny_model} --rows 4 "
             "--new-tokens 8 --budget-rows 1 --slots 4 --repeats 1",
             expect=r'"rows_identical": 4'),
