@@ -106,10 +106,8 @@ def prices(report: dict) -> Prices:
   dtype_bytes = 2 if m["dtype"] in ("bfloat16", "float16") else 4
   page = 64
   page_bytes = page * 2 * kv_heads * (m["hidden"] // m["heads"]) * dtype_bytes * m["layers"]
-  steps = int(re.match(r"(\d+) decode steps of (\d+) slots over the (\d+)-page",
-                       decode_p["purpose"])[1])
-  slots, pool = map(int, re.match(r"\d+ decode steps of (\d+) slots over the (\d+)-page",
-                                  decode_p["purpose"]).groups())
+  steps, slots, pool = map(int, re.match(r"(\d+) decode steps of (\d+) slots over the "
+                                         r"(\d+)-page", decode_p["purpose"]).groups())
   pool_bytes = pool / shards * page_bytes
   kernel = "tpu_custom_call" in decode_p["custom_calls"]
   L = decode.length_bucket(b["prompt_tokens"], 16)
@@ -200,12 +198,10 @@ def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
                            *(f"{d} s" for d in dists),
                            *(f"admitting, {d} s" for d in dists)]) + " |",
                "|" + "---|" * (4 + 2 * len(dists))]
-    price = prices(plan["report"])
-    pool = -(-b["max_rows"] * -(-(decode.length_bucket(b["prompt_tokens"], 16) + cap) // 64)
-             // price.shards) * price.shards
     today = [rollout_estimate(plan["report"], d) for d in dists.values()]
-    admitting = [rollout_estimate(plan["report"], d, slots=rows, capacity=pool,
-                                  headroom=headroom) for d in dists.values()]
+    admitting = [rollout_estimate(plan["report"], d, slots=rows,
+                                  capacity=today[0]["capacity_pages"], headroom=headroom)
+                 for d in dists.values()]
     lines.append(" | ".join([
         f"| {name} | {plan['target']} | {b['max_rows']}",
         f"{plan['report']['step_estimate']['rollout_s']:.0f}",
