@@ -186,19 +186,17 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
               verdict=final["first_failure"] or f"fits: {flags}")
 
 
-def pool_bound(report: dict, page_size: int = 64) -> float:
+def pool_bound(report: dict) -> float:
   """Rows per call the pool leaves room for (an estimate from the compiler's figures): the
   usable memory less decode_chunk's device peak without its pool (what stays resident,
   the rollout's weights, the decode's temporaries), over a full-length row's KV bytes
-  per device (the engine's pages of `page_size`, KV heads split by tensor where they
-  divide, rows by the batch axes)."""
+  per device (`lengths.kv_layout`: whole pages, rows split by the batch axes)."""
+  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.sampling import decode  # pylint: disable=g-import-not-at-top
-  m, b, mesh = report["model"], report["batch"], report["mesh"]
-  tensor = mesh.get("tensor", 1)
-  kv_heads = m["kv_heads"] // tensor if m["kv_heads"] % tensor == 0 else m["kv_heads"]
+  b = report["batch"]
+  shards, page_bytes = lengths.kv_layout(report)
   length = decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]
-  row_bytes = (-(-length // page_size) * page_size * 2 * kv_heads * (m["hidden"] // m["heads"])
-               * 2 * m["layers"] / (report["devices"] // tensor))
+  row_bytes = -(-length // lengths.PAGE) * page_bytes / shards
   decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
   fixed = decode["device_peak_bytes"] - b["max_rows"] * row_bytes
   return (decode["usable_bytes"] - fixed) / row_bytes

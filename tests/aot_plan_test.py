@@ -13,11 +13,11 @@ GIB = 2 ** 30
 
 
 def _report(kv_heads, tensor, devices, prompt_tokens, response_tokens, max_rows, fixed_gib,
-            row_bytes, usable_gib, layers=32):
+            row_bytes, usable_gib, layers=32, dtype="bfloat16"):
   """An AOT report with what `pool_bound` reads: decode_chunk's device peak is `fixed_gib`
   plus `max_rows` rows of `row_bytes`."""
   return dict(
-      model=dict(kv_heads=kv_heads, hidden=4096, heads=32, layers=layers),
+      model=dict(kv_heads=kv_heads, hidden=4096, heads=32, layers=layers, dtype=dtype),
       batch=dict(prompt_tokens=prompt_tokens, response_tokens=response_tokens,
                  max_rows=max_rows),
       mesh=dict(fsdp=devices // tensor, tensor=tensor), devices=devices,
@@ -48,6 +48,13 @@ def test_pool_bound_counts_a_rows_last_page_whole():
   row = 145 * 64 * 2 * 2 * 128 * 2 * 32
   report = _report(8, 4, 4, 1000, 8200, 64, 20.0, row, 95.73)
   assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 20.0) * GIB / row)
+
+
+def test_pool_bound_prices_the_kv_in_the_models_compute_dtype():
+  # A float32 model's pool holds 4-byte keys and values: a row costs twice bfloat16's.
+  row = 9216 * 2 * 2 * 128 * 4 * 32
+  report = _report(8, 4, 4, 1024, 8192, 96, 28.0, row, 95.73, dtype="float32")
+  assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 28.0) * GIB / row)
 
 
 def test_decode_step_bytes_are_the_rooflines_reads_less_arguments_and_outputs_per_step():

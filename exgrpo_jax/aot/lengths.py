@@ -34,6 +34,7 @@ from exgrpo_jax.sampling import schedule
 # cap): a verl run's mean at its cap scaled up, DeepScaleR's late and early training.
 SCENARIOS = {"short": (1278, 0.02), "mid": (3501, 0.09), "long": (5737, 0.39)}
 SCENARIO_CAP = 8192
+PAGE = 64  # the engine's page size (tokens)
 
 
 def scenario(name: str, cap: int, rows: int, seed: int = 0) -> np.ndarray:
@@ -94,18 +95,25 @@ class Prices:
   layers: int
 
 
+def kv_layout(report: dict, page: int = PAGE) -> tuple[int, float]:
+  """The pool's split over the batch axes and one page's KV bytes per device over all
+  layers: KV heads split by tensor where they divide, in the model's compute dtype (the
+  engine's pool dtype)."""
+  m, tensor = report["model"], report["mesh"].get("tensor", 1)
+  kv_heads = m["kv_heads"] // tensor if m["kv_heads"] % tensor == 0 else m["kv_heads"]
+  dtype_bytes = 2 if m["dtype"] in ("bfloat16", "float16") else 4
+  return (report["devices"] // tensor,
+          page * 2 * kv_heads * (m["hidden"] // m["heads"]) * dtype_bytes * m["layers"])
+
+
 def prices(report: dict) -> Prices:
   """A plan report's programs as `Prices` (its `report` key, `check.report`'s JSON)."""
-  m, b, mesh = report["model"], report["batch"], report["mesh"]
+  m, b = report["model"], report["batch"]
   target = report["target"]
   programs = {p["name"]: p for p in report["programs"]}
   decode_p, place, admit = programs["decode_chunk"], programs["place"], programs["admit"]
-  tensor = mesh.get("tensor", 1)
-  shards = report["devices"] // tensor
-  kv_heads = m["kv_heads"] // tensor if m["kv_heads"] % tensor == 0 else m["kv_heads"]
-  dtype_bytes = 2 if m["dtype"] in ("bfloat16", "float16") else 4
-  page = 64
-  page_bytes = page * 2 * kv_heads * (m["hidden"] // m["heads"]) * dtype_bytes * m["layers"]
+  page = PAGE
+  shards, page_bytes = kv_layout(report, page)
   steps, slots, pool = map(int, re.match(r"(\d+) decode steps of (\d+) slots over the "
                                          r"(\d+)-page", decode_p["purpose"]).groups())
   pool_bytes = pool / shards * page_bytes
