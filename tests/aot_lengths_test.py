@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -48,6 +49,22 @@ def test_shorter_rows_cost_less_and_admission_spends_the_same_pool_on_more_rows(
   assert eager["recomputed_tokens"] > 0
 
 
+def test_the_best_slot_count_is_never_dearer_than_todays():
+  """On a v5p-8 qwen7b's decode is FLOP-bound with every row in a slot: at the mid lengths
+  today's 528 slots cost least of the choices; on a v5e-16 (64 slots today) more do."""
+  mid = lengths.scenario("mid", 8192, 1024)
+  report = _report("qwen7b_v5p-8")
+  today = lengths.rollout_estimate(report, mid)
+  every_row = lengths.rollout_estimate(report, mid, slots=1024,
+                                       capacity=today["capacity_pages"], headroom=0.1)
+  best = lengths.best_slots(report, mid, 0.1)
+  assert every_row["rollout_s"] > today["rollout_s"] and best == today
+  report = _report("qwen7b_v5e-16")
+  today = lengths.rollout_estimate(report, mid)
+  best = lengths.best_slots(report, mid, 0.1, today)
+  assert best["slots"] > today["slots"] and best["rollout_s"] < today["rollout_s"]
+
+
 def test_scenarios_have_their_mean_and_share_at_the_cap_every_time():
   for name, (mean, share) in lengths.SCENARIOS.items():
     lengths_R = lengths.scenario(name, 8192, 1024)
@@ -86,6 +103,7 @@ def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys)
   assert "mean 3501, 9% at cap s" in header and "admitting, at cap s" in header
   row = next(l for l in out[out.index(header):] if l.startswith("| qwen7b | v5e-16 | 64 |"))
   assert row.split(" | ")[3] == "792"  # the compiled estimate, every row at the cap
+  assert re.fullmatch(r"\d+ \(\d+\) @\d+", row.split(" | ")[6])  # seconds (preempted) @slots
   with pytest.raises(SystemExit):
     aot_plan.main(["--render", os.path.join(RESULTS, "aot_qwen7b_v5e-16.json"), "--estimate",
                    "--mean", "9000", "--cap-share", "0.5"])
