@@ -113,10 +113,12 @@ def median_time(fn, repeats):
   return statistics.median(times)
 
 
-def bench_ours(cfg, params, tokenizer, prompts, new_tokens, repeats):
-  """End-to-end and decode-only tokens/s of the JAX engine, compile time, memory."""
-  # The static loop at any length: rows that all run to new_tokens leave no tail to shrink.
-  engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True, scheduler="static")
+def bench_ours(cfg, params, tokenizer, prompts, new_tokens, repeats, **engine_options):
+  """End-to-end and decode-only tokens/s of the JAX engine, compile time, memory.
+  `engine_options` go to the engine (default: the static loop, at any length: rows that
+  all run to new_tokens leave no tail to shrink)."""
+  engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True,
+                                **({"scheduler": "static"} | engine_options))
   short = max(new_tokens // 4, 1)
   times = {}
   for n in (new_tokens, short):
@@ -294,9 +296,20 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
   compute_s, kv_s = step_flops / throughput, kv_bytes / (bandwidth_gbs * 1e9)
   return dict(step_gflop=step_flops / 1e9, matmul_gflops_per_s=throughput / 1e9,
               roofline_tokens_per_s=batch / compute_s,
-              bandwidth_bound_tokens_per_s=batch * bandwidth_gbs * 1e9 / (
-                  itemsize * weight_count + kv_bytes),
+              bandwidth_bound_tokens_per_s=bandwidth_bound(cfg, batch, context,
+                                                           bandwidth_gbs),
               compute_plus_kv_read_tokens_per_s=batch / (compute_s + kv_s))
+
+
+def bandwidth_bound(cfg, batch, context, bandwidth_gbs) -> float:
+  """Decode tokens/s if a step only read the weights and `batch` rows' KV of `context`
+  tokens, in the compute dtype, at `bandwidth_gbs`."""
+  itemsize = np.dtype(models.config.dtype_from_name(cfg.dtype)).itemsize
+  D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  weight_count = cfg.num_layers * (D * (HD + 2 * KD + 2 * F) + HD * D + F * D) + D * V
+  kv_bytes = itemsize * 2 * cfg.num_layers * batch * KD * context
+  return batch * bandwidth_gbs * 1e9 / (itemsize * weight_count + kv_bytes)
 
 
 def bound_bandwidth_gbs(repeats) -> dict:

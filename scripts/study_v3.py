@@ -189,8 +189,11 @@ def commit() -> str:
   return head + ("+dirty" if dirty else "")
 
 
-def train(out: str, arm: str, seed: int, python: str) -> int:
-  """One run (resuming if its workdir has a checkpoint); its exit status."""
+def train(out: str, arm: str, seed: int, python: str, env: dict | None = None,
+          extra: tuple = (), timeout: float | None = None) -> int:
+  """One run (resuming if its workdir has a checkpoint); its exit status. `env`: its
+  environment; `extra`: more `key=value` config overrides; past `timeout` seconds it is
+  killed (subprocess.TimeoutExpired) and resumes next time."""
   wd = workdir(out, arm, seed)
   os.makedirs(wd, exist_ok=True)
   with open(os.path.join(wd, "commits.txt"), "a", encoding="utf-8") as f:
@@ -201,9 +204,10 @@ def train(out: str, arm: str, seed: int, python: str) -> int:
   cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
   if variant == "onpolicy":  # the step-0 evaluation, shared by every arm of the seed
     cmd.append("--config.eval.before_train=True")
+  cmd += [f"--config.{kv}" for kv in extra]
   with open(os.path.join(wd, "train.log"), "a", encoding="utf-8") as log:
-    return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                          check=False).returncode
+    return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                          timeout=timeout, check=False).returncode
 
 
 def run(args) -> None:

@@ -208,6 +208,16 @@ COMMANDS = [
             "nvidia-smi -L && timeout 570 "
             "python3 scripts/accelerator_check.py --out $OUT/accelerator_check.json 2>&1 | tee "
             "$OUT/accelerator_check.log", skip=GPU_MACHINE),
+    Command("bash scripts/accelerator_bundle.sh install && export "
+            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && timeout 560 "
+            "python3 scripts/gpu_followup.py --out $OUT/gpu_followup.json --budget "
+            "decode=170,study=330 2>&1 | tee $OUT/gpu_followup.log", skip=GPU_MACHINE),
+    Command("python scripts/study_v3_report.py --summaries docs/results/study_v3_gpu_runs "
+            "--json docs/results/study_v3_gpu.json --plots /tmp",
+            skip="reports the GPU replicate's summaries, which a GPU session writes"),
+    Command("python scripts/gpu_followup.py --smoke --out /tmp/gpu_followup.json",
+            covered="tests/gpu_followup_test.py::"
+            "test_smoke_runs_both_parts_and_a_rerun_skips_what_is_done"),
     Command("bash scripts/accelerator_bundle.sh prepare", skip="downloads wheels (PyPI)"),
     Command("pip install --no-index --no-deps --target /tmp/site",
             skip="what `accelerator_bundle.sh install` runs; " + GPU_MACHINE),

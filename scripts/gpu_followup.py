@@ -1,0 +1,215 @@
+r"""What a lent GPU should measure next (the GPU issue), in one command that a rerun finishes.
+
+  python scripts/gpu_followup.py --out $OUT/followup.json [--parts decode,study] \
+      [--budget decode=170,study=330] [--jobs 6] [--workdir /tmp/gpu_followup]
+  python scripts/gpu_followup.py --smoke --out /tmp/followup.json     # CPU, tiny, 1 step
+
+decode  the JAX engine's bfloat16 tokens/s (EOS ignored, 128 new tokens) and decode-only
+        rate for SmolLM2-135M-Instruct and the Qwen2.5-1.5B shape at batch 1, 8, 64 and
+        256 (`MEASUREMENTS`, most telling first), under each of `VARIANTS` (XLA's
+        default flags, command buffers off, loops recorded as CUDA graphs), for the
+        static loop and continuous batching at 16 and 64 decode steps a chunk; each
+        variant in a process of its own (XLA reads its flags once), a share of the
+        budget each; the HBM bound beside each (`bench_sampler.bandwidth_bound`).
+study   evidence v3's primary pair, the protocol of scripts/study_v3.py unchanged, for
+        seeds 1, 2, ... with `--jobs` runs at once on the one device (each with its
+        share of the memory), until the budget: one summary per finished run, as the
+        CPU study writes them, in `<dir of --out>/study_gpu_runs/`. A replicate of its
+        own: never pooled with the CPU runs.
+
+The JSON is rewritten after every measurement and run. A rerun with the same --out
+skips what it holds; a run cut at the budget resumes from its checkpoint in --workdir
+when the machine is the same (checkpoints never go under --out: 1.4 GB each).
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+ALL_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+VARIANTS = {
+    "default": "",
+    "command_buffers_off": "--xla_gpu_enable_command_buffer=",
+    "loops_as_graphs": f"--xla_gpu_enable_command_buffer={ALL_TYPES},CONDITIONAL,WHILE "
+                       "--xla_gpu_graph_min_graph_size=1",
+}
+ENGINES = {"static": dict(scheduler="static"),
+           "chunk16": dict(scheduler="continuous", chunk_steps=16),
+           "chunk64": dict(scheduler="continuous", chunk_steps=64)}
+MEASUREMENTS = [(model, batch, engine) for model, batch in (
+    ("smollm2", 1), ("smollm2", 8), ("qwen", 1), ("smollm2", 64), ("qwen", 64),
+    ("smollm2", 256), ("qwen", 8), ("qwen", 256)) for engine in ENGINES]
+NEW_TOKENS, REPEATS = 128, 3
+BUDGETS_S = dict(decode=170, study=330)
+PAIR = ("onpolicy", "exgrpo")
+
+
+def key(variant: str, model: str, batch: int, engine: str) -> str:
+  return f"{variant}/{model}/b{batch}/{engine}"
+
+
+def decode_child(variant: str, deadline_s: float, done: set, smoke: bool) -> None:
+  """Runs in a process with the variant's XLA_FLAGS: one JSON line per measurement."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
+  import bench_sampler  # pylint: disable=g-import-not-at-top
+  end = time.monotonic() + deadline_s
+  ctx = parts.Context(smoke=smoke, tests=(), tests_log="", workdir="/tmp")
+  new_tokens, repeats = (4, 1) if smoke else (NEW_TOKENS, REPEATS)
+  bandwidth = bench_sampler.bound_bandwidth_gbs(repeats)["bound_bandwidth_gb_per_s"]
+  for model, batch, engine in MEASUREMENTS:
+    name = key(variant, model, batch, engine)
+    if name in done or (smoke and batch > 8):
+      continue
+    if time.monotonic() > end:
+      print(json.dumps(dict(key=name, skipped="budget")), flush=True)
+      continue
+    subject = ctx.subject(model)
+    cfg = subject.cfg.replace(dtype="bfloat16")
+    prompts = bench_sampler.chat_prompts(subject.tokenizer, batch)
+    try:
+      ours = bench_sampler.bench_ours(cfg, subject.params, None, prompts, new_tokens,
+                                      repeats, **ENGINES[engine])
+    except Exception as e:  # pylint: disable=broad-except
+      print(json.dumps(dict(key=name, error=str(e).splitlines()[0][:300])), flush=True)
+      continue
+    context = float(np.mean([len(p) for p in prompts])) + new_tokens / 2
+    bound = bench_sampler.bandwidth_bound(cfg, batch, context, bandwidth)
+    print(json.dumps(dict(
+        key=name, model=subject.name, batch=batch, engine=engine, xla_flags=VARIANTS[variant],
+        tokens_per_s=ours["tokens_per_s"], decode_tokens_per_s=ours["decode_tokens_per_s"],
+        decode_step_ms=ours["decode_step_ms"], compile_s=ours["compile_s"],
+        hbm_bound_tokens_per_s=bound,
+        decode_fraction_of_hbm_bound=ours["decode_tokens_per_s"] / bound)), flush=True)
+
+
+def decode(report: dict, budget_s: float, smoke: bool, write) -> None:
+  results = report.setdefault("decode", {})
+  variants = list(VARIANTS)[:2] if smoke else list(VARIANTS)
+  for i, variant in enumerate(variants):
+    share = budget_s / len(variants)
+    done = [k for k, v in results.items() if k.startswith(variant + "/") and "error" not in v
+            and "skipped" not in v]
+    env = dict(os.environ, XLA_FLAGS=" ".join(filter(None, (
+        os.environ.get("XLA_FLAGS", ""), VARIANTS[variant]))))
+    cmd = [sys.executable, __file__, "--decode-child", variant, "--child-deadline",
+           str(share), "--done", ",".join(done)] + (["--smoke"] if smoke else [])
+    print(f"[gpu_followup] decode {i + 1}/{len(variants)}: {variant} ({share:.0f} s)",
+          file=sys.stderr, flush=True)
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as child:
+      try:
+        for line in child.stdout:
+          if line.startswith("{"):
+            row = json.loads(line)
+            results[row.pop("key")] = row
+            write()
+      finally:
+        child.kill()
+    if child.returncode not in (0, -9):
+      results[f"{variant}/process"] = dict(error=f"exit {child.returncode}")
+      write()
+
+
+def study(report: dict, budget_s: float, jobs: int, out_dir: str, workdir: str,
+          smoke: bool, write) -> None:
+  import study_v3  # pylint: disable=g-import-not-at-top
+  summaries = os.path.join(out_dir, "study_gpu_runs")
+  os.makedirs(summaries, exist_ok=True)
+  runs = report.setdefault("study", {"jobs": jobs, "runs": {}})["runs"]
+  end = time.monotonic() + budget_s
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / jobs:.3f}",
+             XLA_PYTHON_CLIENT_PREALLOCATE="true")
+  extra = ("train.steps=1", "eval.limit=4", "eval.every=1") if smoke else ()
+
+  def one(arm, seed):
+    left = end - time.monotonic()
+    if left < 30:
+      return "not started"
+    try:
+      status = study_v3.train(workdir, arm, seed, sys.executable, env=env, extra=extra,
+                              timeout=left)
+    except subprocess.TimeoutExpired:
+      return "cut at the budget"
+    if status:
+      return f"exit {status}"
+    if smoke:  # one step is no protocol run: nothing to summarize
+      return "smoke step done"
+    with open(os.path.join(summaries, f"{arm}_s{seed}.json"), "w", encoding="utf-8") as f:
+      json.dump(study_v3.summarize_run(study_v3.workdir(workdir, arm, seed), arm, seed), f,
+                indent=1)
+    return "finished"
+
+  # Seed by seed, both arms: pairs finish together.
+  todo = [(arm, seed) for seed in range(1, 2 if smoke else 65) for arm in PAIR
+          if study_v3.summary(summaries, arm, seed) is None
+          and runs.get(f"{arm}_s{seed}") != "smoke step done"]
+  with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    futures = {pool.submit(one, *run): run for run in todo}
+    for future in concurrent.futures.as_completed(futures):
+      arm, seed = futures[future]
+      state = future.result()
+      if state != "not started":
+        runs[f"{arm}_s{seed}"] = state
+        print(f"[gpu_followup] study {arm} seed {seed}: {state}", file=sys.stderr, flush=True)
+        write()
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", help="the JSON report (required)")
+  parser.add_argument("--parts", default="decode,study")
+  parser.add_argument("--budget", default="", help="NAME=SECONDS,...")
+  parser.add_argument("--jobs", type=int, default=6)
+  parser.add_argument("--workdir", default="/tmp/gpu_followup")
+  parser.add_argument("--smoke", action="store_true")
+  parser.add_argument("--decode-child", help=argparse.SUPPRESS)
+  parser.add_argument("--child-deadline", type=float, help=argparse.SUPPRESS)
+  parser.add_argument("--done", default="", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.smoke:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  if args.decode_child:
+    decode_child(args.decode_child, args.child_deadline, set(filter(None,
+                                                                    args.done.split(","))),
+                 args.smoke)
+    return
+  if not args.out:
+    parser.error("--out is required")
+  budgets = dict(BUDGETS_S)
+  for item in filter(None, args.budget.split(",")):
+    name, _, seconds = item.partition("=")
+    if name not in BUDGETS_S or not seconds.replace(".", "", 1).isdigit():
+      parser.error(f"--budget {item}: give NAME=SECONDS with NAME in {', '.join(BUDGETS_S)}")
+    budgets[name] = float(seconds)
+  out = os.path.abspath(args.out)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  report = {}
+  if os.path.exists(out):
+    with open(out, encoding="utf-8") as f:
+      report = json.load(f)
+
+  def write():
+    with open(out + ".tmp", "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=1)
+    os.replace(out + ".tmp", out)
+
+  parts = [p for p in args.parts.split(",") if p]
+  if "decode" in parts:
+    decode(report, budgets["decode"], args.smoke, write)
+  if "study" in parts:
+    study(report, budgets["study"], args.jobs, os.path.dirname(out), args.workdir,
+          args.smoke, write)
+  write()
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
