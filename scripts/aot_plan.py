@@ -204,13 +204,13 @@ def pool_bound(report: dict) -> float:
 
 def decode_step_bytes(report: dict) -> float:
   """What one decode step reads from HBM per device in the roofline (`decode_chunk`'s
-  bytes per call less its arguments and outputs, over its steps): the weights and the
-  pool's pages the step attends to (every page before the kernel, its live pages with
-  it)."""
+  bytes per call less those once per call, `analysis.call_bytes`, over its steps): the
+  weights and the pool's pages the step attends to (every page before the kernel, its
+  live pages with it)."""
+  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
   decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
   steps = int(re.match(r"(\d+) decode steps", decode["purpose"])[1])
-  return (decode["hbm_bytes_per_call"] - decode["argument_bytes"]
-          - decode["output_bytes"]) / steps
+  return (decode["hbm_bytes_per_call"] - analysis.call_bytes(decode)) / steps
 
 
 def prefill_seconds(report: dict) -> float:

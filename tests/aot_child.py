@@ -140,9 +140,10 @@ def main(argv) -> None:
     resolved = attention.resolve("auto", "bfloat16", 256)
   print(json.dumps(dict(
       platform=mesh.devices.flat[0].platform, device_kind=mesh.devices.flat[0].device_kind,
-      auto=resolved, programs={r.name: dict(error=r.error, peak_bytes=r.peak_bytes,
-                                            collectives=r.collectives,
-                                            custom_calls=r.custom_calls) for r in results})))
+      auto=resolved, programs={r.name: dict(
+          error=r.error, peak_bytes=r.peak_bytes, collectives=r.collectives,
+          custom_calls=r.custom_calls, in_place=r.in_place, alias_bytes=r.alias_bytes,
+          largest_copy_bytes=r.largest_copy_bytes) for r in results})))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,28 @@ def test_decode_chunk_counts_everything_the_rollout_keeps(aot_compiled):
   assert counted <= held_bytes + slots_bytes + 2 ** 16, (counted, held_bytes)
 
 
+def test_the_pool_is_updated_in_place_and_the_roofline_does_not_move_it_per_call(
+    aot_compiled):
+  """place, decode_chunk and release take the slots and their page pool donated and
+  update them where they write: no copy of the pool, and the roofline counts their
+  aliased bytes neither read nor written per call (the decode's per-step reads of the
+  pool are in its streamed bytes). The learner's step, which rewrites every parameter
+  and moment, still counts its donated state read and written."""
+  _, outputs, results = aot_compiled
+  layer_bytes = min(analysis.shard_bytes(x) for x in outputs["repage_layer"])
+  for name in ("place", "decode_chunk", "release"):
+    r = results[name]
+    assert r.in_place and r.alias_bytes >= CFG.num_layers * 2 * layer_bytes, name
+    assert r.largest_copy_bytes < layer_bytes, (name, r.largest_copy_bytes)
+  place = results["place"]
+  assert place.hbm_bytes_per_call == (place.argument_bytes + place.output_bytes
+                                      - 2 * place.alias_bytes)
+  learner_step = results["learner_step"]
+  assert not learner_step.in_place and learner_step.alias_bytes > 0
+  assert learner_step.hbm_bytes_per_call == (learner_step.argument_bytes
+                                             + learner_step.output_bytes)
+
+
 def test_rollout_programs_are_the_engines(aot_programs, monkeypatch):
   c = small_config()
   seen = []

@@ -108,6 +108,30 @@ def test_tpu_decode_runs_the_paged_attention_kernel_on_a_mesh():
     assert program["error"] == "", (name, program["error"])
   assert found["decode_chunk"]["custom_calls"].get("tpu_custom_call") == 2  # 2 layers
   assert found["decode_chunk"]["collectives"]  # really partitioned over the mesh
+  _assert_updated_in_place(found)
+
+
+def _assert_updated_in_place(found: dict) -> None:
+  """The programs the roofline takes as updating the slots and their pool in place
+  (`Program.in_place`) alias them and copy no layer of the pool. Checked on the
+  evaluation's programs, whose pool (responses of 8,192 tokens: 8.5 MB a layer and
+  device) dwarfs the model's largest weight (0.25 MB), which the rollout's small pool
+  does not."""
+  names = {"eval_place", "eval_decode_chunk", "eval_release"}
+  assert names <= {name for name, p in found.items() if p["in_place"]}
+  for name in names:
+    program, layer_bytes = found[name], found[name]["alias_bytes"] / 2  # 2 layers
+    assert layer_bytes > 2 ** 23 and program["largest_copy_bytes"] < layer_bytes / 8, (
+        name, program)
+
+
+def test_gpu_rollout_programs_update_the_pool_in_place():
+  proc = compile_case("cudnn_h100_2x4", "--rollout")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  found = json.loads(proc.stdout.strip().splitlines()[-1])["programs"]
+  for name, program in found.items():
+    assert program["error"] == "", (name, program["error"])
+  _assert_updated_in_place(found)
 
 
 @pytest.mark.parametrize("target,mesh,kv_heads,old,new,pages_per_device,heads_per_device", [

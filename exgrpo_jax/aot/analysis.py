@@ -14,7 +14,10 @@ recorded as they are (`xla_flops`, `xla_bytes`), and the estimates use loop-awar
             is assumed.
   bytes     what each device must read from HBM at least: its arguments and outputs
             once per call (`memory_analysis`), and the decode loop's weights and KV
-            cache once per step (the program's `streamed` arguments' shards).
+            cache once per step (the program's `streamed` arguments' shards). A program
+            that updates donated state in place (`in_place`: the page pool, the slots)
+            neither reads nor writes that state whole per call: its aliased bytes are
+            left out, and what it reads of them is in `streamed`.
   roofline  max(flops / peak FLOP/s, bytes / HBM bandwidth) per call: a lower bound
             on the time that ignores communication, kernel efficiency and host work.
 """
@@ -30,6 +33,9 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                 "collective-permute", "collective-broadcast")
 _COLLECTIVE_RE = re.compile(r"\b(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
 _CUSTOM_CALL_RE = re.compile(r'custom_call_target="([^"]+)"')
+_COPY_RE = re.compile(r"= ([a-z]+\d*)\[([\d,]*)\][^ ]* copy\(")
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
 @dataclasses.dataclass
@@ -45,6 +51,8 @@ class Result:
   output_bytes: int = 0
   temp_bytes: int = 0
   alias_bytes: int = 0
+  in_place: bool = False  # its aliased (donated) bytes are updated in place, not copied
+  largest_copy_bytes: int = 0  # its largest `copy` instruction's output
   resident_bytes: int = 0  # on the devices beside the program (`Program.resident`)
   usable_bytes: int = 0
   xla_flops: float = 0.0
@@ -140,6 +148,14 @@ def custom_calls(hlo_text: str) -> dict:
   return _count(_CUSTOM_CALL_RE.findall(hlo_text))
 
 
+def largest_copy_bytes(hlo_text: str) -> int:
+  """The largest output of the compiled program's `copy` instructions: one as large as a
+  layer of the page pool would say that a program meant to update the pool in place
+  copies it instead."""
+  return max((_ITEM_BYTES.get(dtype, 4) * math.prod(int(n) for n in dims.split(",") if n)
+              for dtype, dims in _COPY_RE.findall(hlo_text)), default=0)
+
+
 def _count(found) -> dict:
   counts = {}
   for kind in found:
@@ -168,10 +184,17 @@ def peak_bytes(memory) -> int:
                       + memory.temp_size_in_bytes - memory.alias_size_in_bytes))
 
 
+def call_bytes(program: dict) -> float:
+  """A program's HBM bytes once per call (its `Result` as a dict, or a report's entry):
+  its arguments and outputs, less twice the bytes it updates in place (see the module
+  docstring; reports from before `in_place` count them)."""
+  in_place = 2 * program["alias_bytes"] if program.get("in_place") else 0
+  return program["argument_bytes"] + program["output_bytes"] - in_place
+
+
 def roofline(result: Result, streamed_bytes: int, steps: int, peak_flops: float,
              bandwidth: float) -> None:
   """Fills `result`'s HBM bytes per call and roofline time (see the module docstring)."""
-  result.hbm_bytes_per_call = (result.argument_bytes + result.output_bytes
-                               + steps * streamed_bytes)
+  result.hbm_bytes_per_call = call_bytes(dataclasses.asdict(result)) + steps * streamed_bytes
   result.roofline_s = max(result.flops_per_device / peak_flops,
                           result.hbm_bytes_per_call / bandwidth)

@@ -90,6 +90,7 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   result.output_bytes = memory.output_size_in_bytes
   result.temp_bytes = memory.temp_size_in_bytes
   result.alias_bytes = memory.alias_size_in_bytes
+  result.in_place = program.in_place
   result.resident_bytes = analysis.shard_bytes(program.resident(outputs))
   cost = analysis.xla_cost(compiled)
   result.xla_flops = float(cost.get("flops", 0.0))
@@ -99,6 +100,7 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   text = compiled.as_text()
   result.collectives = analysis.collectives(text)
   result.custom_calls = analysis.custom_calls(text)
+  result.largest_copy_bytes = analysis.largest_copy_bytes(text)
   streamed = analysis.shard_bytes([args[i] for i in program.streamed[:-1]])
   if program.streamed:
     streamed += program.cache_share * analysis.shard_bytes([args[program.streamed[-1]]])

@@ -10,8 +10,10 @@ distribution without a model (`schedule.simulate`: the engine's own decisions, c
 chunk), and each chunk is priced by the same roofline (`analysis.roofline`) from the
 report's compiled `decode_chunk`: its bytes per call less the pool it was compiled with,
 plus the pool of that chunk's size (read whole each step by XLA's attention, only the
-live rows' pages by the TPU kernel); its FLOPs in proportion to the chunk's slots and
-steps. Placing rows (`place`) is priced at the pool's size then, a preempted row's
+live rows' pages by the TPU kernel; updated in place, so not moved whole per call,
+`analysis.call_bytes`, except in reports from before that rule); its FLOPs in
+proportion to the chunk's slots and steps. Placing rows (`place`) is priced likewise, a
+preempted row's
 resume by the prefill's cost per token (`admit`), a pool resize by `repage_layer` per
 layer. What does not depend on the lengths (the parameters' copy, `empty`, `admit`'s
 prompts) is taken as compiled. Estimates, not measurements: the simulation's slots and
@@ -26,6 +28,7 @@ import re
 
 import numpy as np
 
+from exgrpo_jax.aot import analysis
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import pages
 from exgrpo_jax.sampling import schedule
@@ -82,10 +85,11 @@ class Prices:
   kernel: bool           # the TPU paged-attention kernel (reads live pages only)
   shards: int            # the pool's split over the batch axes
   page_bytes: float      # one page's KV, all layers, per device
-  decode_fixed: float    # decode_chunk's argument + output bytes without its pool
+  decode_fixed: float    # decode_chunk's bytes once per call without its pool
+  pool_moves: int        # times a call moves the whole pool: 0 in place, else 2
   step_bytes: float      # a decode step's bytes without the pool it reads
   step_flops: float      # a decode step's FLOPs per device per slot
-  place_fixed: float     # place's bytes without the pool
+  place_fixed: float     # place's bytes once per call without the pool
   prefill_token_s: float  # admit's roofline per prompt token
   repage_s: float        # one layer's resize (roofline), times layers per resize
   fixed_s: float         # the programs run once a rollout
@@ -122,15 +126,16 @@ def prices(report: dict) -> Prices:
   N = b["response_tokens"]
   per_row = -(-(L + N) // page)
   share = (L + N / 2) / (per_row * page) if kernel else 1.0  # as `programs` compiled it
-  streamed = (decode_p["hbm_bytes_per_call"] - decode_p["argument_bytes"]
-              - decode_p["output_bytes"]) / steps
+  streamed = (decode_p["hbm_bytes_per_call"] - analysis.call_bytes(decode_p)) / steps
+  pool_moves = 0 if decode_p.get("in_place") else 2
   prompts_per_admit = int(re.match(r"prefill of (\d+) prompts x (\d+)", admit["purpose"])[1])
   return Prices(
       kernel=kernel, shards=shards, page_bytes=page_bytes,
-      decode_fixed=decode_p["argument_bytes"] + decode_p["output_bytes"] - 2 * pool_bytes,
+      decode_fixed=analysis.call_bytes(decode_p) - pool_moves * pool_bytes,
+      pool_moves=pool_moves,
       step_bytes=streamed - share * pool_bytes,
       step_flops=decode_p["flops_per_device"] / steps / slots,
-      place_fixed=place["argument_bytes"] + place["output_bytes"] - 2 * pool_bytes,
+      place_fixed=analysis.call_bytes(place) - pool_moves * pool_bytes,
       prefill_token_s=admit["roofline_s"] / (prompts_per_admit * L),
       repage_s=programs["repage_layer"]["roofline_s"] * m["layers"],
       fixed_s=sum(programs[n]["roofline_s"] * programs[n]["calls_per_step"]
@@ -160,11 +165,11 @@ def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
                             16, keep_free)
   pool_C = trace.pool_pages_C / price.shards * price.page_bytes
   read_C = (trace.held_pages_C if price.kernel else trace.pool_pages_C) / price.shards
-  bytes_C = (price.decode_fixed + 2 * pool_C
+  bytes_C = (price.decode_fixed + price.pool_moves * pool_C
              + trace.steps_C * (price.step_bytes + read_C * price.page_bytes))
   flops_C = price.step_flops * trace.steps_C * trace.slots_C
   decode_s = np.maximum(flops_C / price.peak_flops, bytes_C / price.bandwidth).sum()
-  place_C = np.ceil(trace.admitted_C / 16) * (price.place_fixed + 2 * pool_C)
+  place_C = np.ceil(trace.admitted_C / 16) * (price.place_fixed + price.pool_moves * pool_C)
   place_s = place_C.sum() / price.bandwidth
   resume_s = price.prefill_token_s * (trace.recomputed_tokens + L * trace.resumed)
   repage_s = price.repage_s * np.count_nonzero(np.diff(trace.pool_pages_C))

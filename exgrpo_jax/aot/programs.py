@@ -51,6 +51,8 @@ class Program:
   cache_share: the share of the last streamed argument (the cache) a step reads: all of
     it for XLA's attention over the pool; for the paged-attention kernel, which reads
     each row's live pages, their mean over a row's life (an estimate).
+  in_place: it updates its donated arguments (the slots and their page pool) where it
+    writes, so the roofline does not count them read and written whole per call.
   resident: given the same outputs, what else is on the devices during the call: the
     learner's state through a rollout, the rollout's weights and pool between its
     programs (the memory a call has is the device's less these).
@@ -65,6 +67,7 @@ class Program:
   steps: int = 1
   streamed: tuple = ()
   cache_share: float = 1.0
+  in_place: bool = False
   resident: Callable[[dict], tuple] = lambda _: ()
 
 
@@ -208,7 +211,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
               lambda out: (grown(out), out[prefix + "admit"][0], i32(A),
                            i32(A, -(-L // engine.page_size)),
                            _struct((A,), _key_dtype(), mesh), i32(A)),
-              calls=-(-rows // A), resident=weights),
+              calls=-(-rows // A), in_place=True, resident=weights),
       Program(prefix + "select", f"the live half of {slots} slots", slots_lib.select,
               lambda out: (grown(out).replace(caches=()), i32(slots // 2)), dict(mesh=mesh),
               calls=0, resident=lambda out: (*weights(out), grown(out).caches)),
@@ -217,13 +220,13 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
               lambda out: (pcfg, params(out), out[prefix + "prepare_layers"], grown(out),
                            i32(slots, per_row), i32(pool), i32(pool), *scalars),
               options | dict(steps=steps), calls=rows * N / slots / steps, steps=steps,
-              streamed=(2, 3), cache_share=live,
+              streamed=(2, 3), cache_share=live, in_place=True,
               # the copy's layers: the chunk reads the prepared ones (jit drops the unused
               # argument), but the engine holds them for its next admit
               resident=lambda out: (*learner_state, params(out)["layers"])),
       Program(prefix + "release", "slots freed by stop strings", slots_lib.release,
               lambda out: (grown(out), _struct((slots,), bool, mesh)), calls=0,
-              resident=weights),
+              in_place=True, resident=weights),
   ]
 
 
