@@ -3,7 +3,6 @@
   python -m tests.aot_child TARGET ATTENTION MESH [--unsharded-kernels]
   python -m tests.aot_child TARGET ATTENTION MESH --rollout
   python -m tests.aot_child hbm TARGET ...
-  python -m tests.aot_child repage TARGET FSDPxTENSOR KV_HEADS OLD_PAGES NEW_PAGES
   python -m tests.aot_child decode_attention TARGET ROWS KV_HEADS
 
 The first compiles a tiny Qwen2-shaped learner step (GQA, q/k/v biases) for a target;
@@ -11,9 +10,7 @@ The first compiles a tiny Qwen2-shaped learner step (GQA, q/k/v biases) for a ta
 before `attention._on_shards`), the case the compilers refused; `--rollout` compiles the
 same model's rollout programs (continuous batching) instead. The last asks the TPU
 compiler how much HBM a program of each target's chip may use (its refusal of a larger
-one says). `repage` compiles one layer's growth of the page pool (`slots.repage_layer`),
-in the layout the target's decode takes, and prints its bytes per device.
-`decode_attention` compiles one decode step's paged attention (`paged_kernel.attend`) on
+one says). `decode_attention` compiles one decode step's paged attention (`paged_kernel.attend`) on
 one chip: ROWS rows of 1024 + 8192 tokens, KV_HEADS KV heads of 128 with 4 query heads
 each, and prints the compiler's error, if any.
 """
@@ -39,33 +36,6 @@ def hbm(names) -> dict:
       limit = re.search(r"exceeds available HBM \(([\d.]+)G\)", str(e))
       found[name] = float(limit.group(1)) if limit else str(e)[:300]
   return found
-
-
-def repage(target_name, mesh_shape, kv_heads, old, new) -> dict:
-  """One layer of the pool in the TPU kernel's layout (pages of 64 slots, heads of 128,
-  bfloat16) grown from `old` to `new` pages: `slots.repage_layer`'s argument, output and
-  temporary bytes per device."""
-  import types  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.sampling import paged_kernel  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.sampling import slots  # pylint: disable=g-import-not-at-top
-  shape = tuple(int(n) for n in mesh_shape.split("x"))
-  mesh = sharding.make_mesh(types.SimpleNamespace(shape=shape, axes=("fsdp", "tensor")),
-                            targets.devices(targets.get(target_name)))
-  placed = lambda shape, spec: jax.ShapeDtypeStruct(
-      shape, jnp.bfloat16 if len(shape) > 1 else jnp.int32,
-      sharding=jax.sharding.NamedSharding(mesh, spec))
-  pages = (old, 64, 2 * kv_heads, 128)
-  layer = (placed(pages, paged_kernel.pool_spec(mesh, pages)),)
-  with sharding.use_mesh(mesh):
-    compiled = slots.repage_layer.lower(layer, placed((new,), jax.sharding.PartitionSpec()),
-                                        mesh=mesh).compile()
-  memory = compiled.memory_analysis()
-  return dict(argument_bytes=memory.argument_size_in_bytes,
-              output_bytes=memory.output_size_in_bytes, temp_bytes=memory.temp_size_in_bytes)
 
 
 def decode_attention(target_name, rows, kv_heads) -> dict:
@@ -99,9 +69,6 @@ def main(argv) -> None:
   targets.prepare_environment()
   if argv[1] == "hbm":
     print(json.dumps(hbm(argv[2:])))
-    return
-  if argv[1] == "repage":
-    print(json.dumps(repage(argv[2], argv[3], *map(int, argv[4:7]))))
     return
   if argv[1] == "decode_attention":
     print(json.dumps(decode_attention(argv[2], *map(int, argv[3:5]))))

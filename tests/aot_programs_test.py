@@ -219,3 +219,16 @@ def test_the_step_estimate_needs_every_program_of_the_step():
   assert check.step_estimate(partial, names) == (None, ["decode_chunk", "release"])
   too_big = fitting[:4] + [result("release", resident_bytes=95)]
   assert check.step_estimate(too_big, names) == (None, ["release"])
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_only_a_pool_of_several_sizes_has_a_growth_to_compile(kernel, monkeypatch):
+  """XLA's attention reads the whole pool, so its pool grows (`repage_layer`, the costliest
+  growth); the TPU kernel's is allocated at its largest by `empty` and never moves."""
+  monkeypatch.setattr(programs_lib.paged_kernel, "wanted", lambda *_: kernel)
+  mesh = sharding.make_mesh(small_config().mesh, jax.devices()[:1])
+  listed = {p.name: p for p in programs_lib.training_step(small_config(), CFG, mesh)}
+  largest = int(listed["decode_chunk"].purpose.split(" over the ")[1].split("-page")[0])
+  assert listed["empty"].kwargs["kernel"] == kernel
+  assert ("repage_layer" in listed) == (not kernel)
+  assert (listed["empty"].kwargs["pages"] == largest) == kernel

@@ -108,7 +108,7 @@ def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3, **options)
   def spy(program, args, static, takes_cfg=True):
     if program is slots_lib.empty:
       layouts.append(static["kernel"])
-    if program is slots_lib.repage_layer:  # new pages: zeros, or copies in the kernel's
+    if program is slots_lib.repage_layer:
       grown.append(args[1].shape[0] > args[0][0].shape[0])
     return empty(program, args, static, takes_cfg)
 
@@ -121,8 +121,8 @@ def _generate(cfg, params, monkeypatch, kernel: bool, slots: int = 3, **options)
   _fill_interpreter_gaps(monkeypatch)
   with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
     out = engine.generate(PROMPTS, COUNTS, params, jax.random.key(1), GREEDY)
-  # A pool of one row's pages (kv_pages) has one size: it never grows.
-  assert layouts == [kernel] and any(grown) != ("kv_pages" in options)
+  # The kernel's pool, and one of one row's pages (kv_pages), has one size: it never grows.
+  assert layouts == [kernel] and any(grown) == (not kernel and "kv_pages" not in options)
   return out, engine.stats
 
 

@@ -171,14 +171,12 @@ def _preempting(cfg, params, prompts, greedy, mesh) -> dict:
 
 
 def _repage_on(mesh) -> dict:
-  """A pool layer (both layouts) grown from 16 to 24 pages on `mesh`, each new page's
-  source in its own shard's part of the pool (as `pages.PageTable` gives): whether the
-  moved pages are the old ones and new XLA-layout pages zeros, and the collectives in
-  the compiled program."""
+  """A pool layer grown from 16 to 24 pages on `mesh`, each new page's source in its own
+  shard's part of the pool (as `pages.PageTable` gives): whether the moved pages are the
+  old ones and new pages zeros, and the collectives in the compiled program."""
   import re  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.sampling import paged_kernel  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.sampling import slots as slots_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
   old, new, shards = 16, 24, sharding.batch_shards(mesh)
@@ -187,28 +185,20 @@ def _repage_on(mesh) -> dict:
     mine = rng.permutation(np.arange(s * old // shards, (s + 1) * old // shards))
     kept = mine[:rng.integers(1, mine.size + 1)]
     source_Q[s * new // shards:s * new // shards + kept.size] = kept
-  kv = (old, 4, 4, 128)  # pages of 4 slots, 2 KV heads combined, heads of 128
-  layouts = {"xla": (rng.standard_normal((old, 2, 8, 4)), rng.standard_normal((old, 2, 4, 8))),
-             "kernel": (rng.standard_normal(kv),)}
-  found, collectives = {}, set()
-  for layout, layer in layouts.items():
-    specs = ((paged_kernel.pool_spec(mesh, kv),) if layout == "kernel" else
-             tuple(sharding.spec(("batch", "kv_heads", None, None), x.shape, mesh)
-                   for x in layer))
-    placed = tuple(jax.device_put(np.float32(x), sharding.NamedSharding(mesh, s))
-                   for x, s in zip(layer, specs))
-    source = jax.device_put(source_Q, sharding.replicated(mesh))
-    with sharding.use_mesh(mesh):
-      compiled = slots_lib.repage_layer.lower(placed, source, mesh=mesh).compile()
-      moved = compiled(placed, source)
-    collectives.update(re.findall(r"all-gather|all-to-all|collective-permute|all-reduce",
-                                  compiled.as_text()))
-    kept = source_Q < old
-    found[layout] = all(
-        np.array_equal(np.asarray(y)[kept], np.float32(x)[source_Q[kept]])
-        and (layout == "kernel" or not np.asarray(y)[~kept].any())
-        for x, y in zip(layer, moved))
-  return dict(found, collectives=sorted(collectives))
+  layer = (rng.standard_normal((old, 2, 8, 4)), rng.standard_normal((old, 2, 4, 8)))
+  specs = tuple(sharding.spec(("batch", "kv_heads", None, None), x.shape, mesh)
+                for x in layer)
+  placed = tuple(jax.device_put(np.float32(x), sharding.NamedSharding(mesh, s))
+                 for x, s in zip(layer, specs))
+  source = jax.device_put(source_Q, sharding.replicated(mesh))
+  with sharding.use_mesh(mesh):
+    compiled = slots_lib.repage_layer.lower(placed, source, mesh=mesh).compile()
+    moved = compiled(placed, source)
+  kept = source_Q < old
+  moved_right = all(np.array_equal(np.asarray(y)[kept], np.float32(x)[source_Q[kept]])
+                    and not np.asarray(y)[~kept].any() for x, y in zip(layer, moved))
+  return dict(moved=moved_right, collectives=sorted(set(re.findall(
+      r"all-gather|all-to-all|collective-permute|all-reduce", compiled.as_text()))))
 
 
 def _unsplit_large_leaves(params, opt_state) -> list[str]:
@@ -292,11 +282,11 @@ def test_preempted_rows_keep_their_pages_in_their_shard(measured, mesh):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_a_pool_resize_moves_each_devices_pages_on_that_device(measured, mesh):
   """`slots.repage_layer` on a mesh: the old pages in their new places (zeros for new
-  pages in the XLA layout), with no collective: XLA's own gather over a pool split by
+  pages), with no collective: XLA's own gather over a pool split by
   page went through the other devices' pages (on TPU, a temporary of 4.5 to 9.75 times
   the new layer)."""
   summary, _ = measured
-  assert summary[mesh]["repage"] == dict(xla=True, kernel=True, collectives=[])
+  assert summary[mesh]["repage"] == dict(moved=True, collectives=[])
 
 
 @pytest.mark.parametrize("mesh", MESHES)

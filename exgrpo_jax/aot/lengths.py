@@ -137,7 +137,8 @@ def prices(report: dict) -> Prices:
       step_flops=decode_p["flops_per_device"] / steps / slots,
       place_fixed=analysis.call_bytes(place) - pool_moves * pool_bytes,
       prefill_token_s=admit["roofline_s"] / (prompts_per_admit * L),
-      repage_s=programs["repage_layer"]["roofline_s"] * m["layers"],
+      repage_s=programs["repage_layer"]["roofline_s"] * m["layers"]
+      if "repage_layer" in programs else 0.0,  # a pool of one size
       fixed_s=sum(programs[n]["roofline_s"] * programs[n]["calls_per_step"]
                   for n in ("rollout_copy", "prepare_layers", "empty")),
       admit_s=admit["roofline_s"] * admit["calls_per_step"],

@@ -12,8 +12,9 @@ every response at `rollout.max_new_tokens`, the whole batch fresh):
   generate        the static decode loop (`decode.generate`), where the engine uses it;
                   otherwise continuous batching's programs (`sampling.slots`):
   prepare_layers, empty (the page pool at its first size), repage_layer (one layer of
-  it grown to its largest), admit (prefill of the most prompts one call takes), place,
-  select, decode_chunk (over the largest pool), release
+  it grown to its largest, where it has several sizes: not the TPU kernel's), admit
+  (prefill of the most prompts one call takes), place, select, decode_chunk (over the
+  largest pool), release
 
 Evaluation runs the rollout's programs with the eval settings; those that differ from
 the rollout's are listed again as `eval_*`. The calls are the real jitted functions:
@@ -169,7 +170,6 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   table = pages.PageTable(slots, engine.page_size, L, N, sharding.batch_shards(mesh),
                           kernel=kernel)
   pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
-  grows_from = table.sizes[-2] if len(table.sizes) > 1 else pool  # the costliest growth
   A = min(continuous.MAX_ROWS, slots)
   P = decode.bucket(continuous.MAX_PROMPTS)
   steps = engine.chunk_steps
@@ -179,8 +179,22 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   live = (L + N / 2) / (per_row * engine.page_size) if kernel else 1.0
   # The pool starts at its smallest size and grows layer by layer (`slots.repage`); the
   # later programs take it at its largest, the memory's worst case.
-  grown = lambda out: out[prefix + "empty"][0].replace(
-      caches=(out[prefix + "repage_layer"],) * cfg.num_layers)
+  if len(table.sizes) == 1:
+    grown = lambda out: out[prefix + "empty"][0]
+    repage = []
+  else:
+    grown = lambda out: out[prefix + "empty"][0].replace(
+        caches=(out[prefix + "repage_layer"],) * cfg.num_layers)
+    grows_from = table.sizes[-2]  # the costliest growth
+    repage = [Program(
+        prefix + "repage_layer", f"one layer of the pool grown from {grows_from} to its "
+        f"largest, {pool} pages", slots_lib.repage_layer,
+        lambda out: (tuple(jax.ShapeDtypeStruct((grows_from,) + x.shape[1:], x.dtype,
+                                                sharding=x.sharding)
+                           for x in out[prefix + "empty"][0].caches[0]), i32(pool)),
+        dict(mesh=mesh), calls=0,
+        # the other layers, each old or already moved: at most the larger size
+        resident=lambda out: (*weights(out), grown(out).caches[1:]))]
   return [
       copy,
       Program(prefix + "prepare_layers", "per-layer decode weights", slots_lib.prepare_layers,
@@ -191,14 +205,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
               dict(slots=slots, pages=table.pages, page_size=engine.page_size, prompt_len=L,
                    kernel=kernel, mesh=mesh),
               resident=lambda out: (*learner_state, out[prefix + "prepare_layers"])),
-      Program(prefix + "repage_layer", f"one layer of the pool grown from {grows_from} to "
-              f"its largest, {pool} pages", slots_lib.repage_layer,
-              lambda out: (tuple(jax.ShapeDtypeStruct((grows_from,) + x.shape[1:], x.dtype,
-                                                      sharding=x.sharding)
-                                 for x in out[prefix + "empty"][0].caches[0]), i32(pool)),
-              dict(mesh=mesh), calls=0,
-              # the other layers, each old or already moved: at most the larger size
-              resident=lambda out: (*weights(out), grown(out).caches[1:])),
+      *repage,
       Program(prefix + "admit", f"prefill of {P} prompts x {L} tokens into {A} rows",
               slots_lib.admit,
               lambda out: (pcfg, params(out), out[prefix + "empty"][1],

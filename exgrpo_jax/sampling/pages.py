@@ -9,9 +9,9 @@ pool takes one of the sizes of a ladder (`ladder`, multiples of the mesh's batch
 up to its capacity (`capacity`, `rollout.kv_pages`; by default every slot's row at its
 longest): XLA's attention reads the whole pool every step, so there POOL_STEPS equal
 steps and halves below the first down to one row per shard; the TPU kernel reads only a
-row's own pages, so there KERNEL_POOL_STEPS equal steps. `fit` picks the smallest size
-that holds the next chunk's pages and, when that changes, the pool's new page order
-(`slots.repage`): the held pages first.
+row's own pages, so there one size, the capacity, allocated once and never moved. `fit`
+picks the smallest size that holds the next chunk's pages and, when that changes, the
+pool's new page order (`slots.repage`): the held pages first.
 Below that default the pool cannot hold every slot's row at its longest: the scheduler
 admits a row only where its shard has the pages for its next chunk, and preempts rows
 when they run out (`continuous`), using `need`, `room` and `capacity_per_shard`.
@@ -30,22 +30,23 @@ import numpy as np
 # XLA's attention reads the whole pool each step: POOL_STEPS equal steps up to the
 # capacity, then halves down to one row per shard (scripts/pool_ladder.py weighs the
 # decode programs a finer ladder compiles against the pool a coarser one reads in vain).
-# The TPU kernel reads only each row's pages, so there sizes only bound memory: the 8
-# equal steps of before, no more programs.
+# The TPU kernel reads only each row's pages, so a smaller pool would save no reads, only
+# cost resizes and programs: one size.
 POOL_STEPS = 32
-KERNEL_POOL_STEPS = 8
 
 
 def ladder(full: int, per_row: int, shards: int, kernel: bool = False) -> list[int]:
-  """The pool's sizes, ascending: k x full / steps for k = 1 .. steps (steps of at least
-  a row's `per_row` pages: no more programs for a small pool), then, for XLA's
-  attention, halves of the smallest down to one row per shard; each a multiple of
-  `shards`."""
+  """The pool's sizes, ascending: for XLA's attention k x full / POOL_STEPS for k = 1 ..
+  POOL_STEPS (steps of at least a row's `per_row` pages: no more programs for a small
+  pool), then halves of the smallest down to one row per shard, each a multiple of
+  `shards`; for the TPU kernel `full` alone."""
+  if kernel:
+    return [full]
   round_up = lambda n: -(-n // shards) * shards
-  unit = round_up(max(-(-full // (KERNEL_POOL_STEPS if kernel else POOL_STEPS)), per_row))
+  unit = round_up(max(-(-full // POOL_STEPS), per_row))
   sizes = {min(unit * k, full) for k in range(1, -(-full // unit) + 1)}
   size, floor = unit, per_row * shards
-  while not kernel and size > floor:
+  while size > floor:
     size = max(size / 2, floor)
     sizes.add(min(round_up(math.ceil(size)), full))
   return sorted(sizes)

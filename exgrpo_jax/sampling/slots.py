@@ -9,7 +9,8 @@ prompt from address 0 (`place` drops the prompt's left padding), then its step-t
 key/value at address prompt length + t; address a lies in the row's page `a // T` (the
 host's page table, `pages.PageTable`, says which pool page that is), at slot `a % T`.
 The row attends to its addresses up to its newest token (`attended`), on its own pages
-only. The host sizes the pool between chunks (`repage`) and passes the page table and
+only. The host sizes XLA's pool between chunks (`repage`; the kernel's has one size)
+and passes the page table and
 each page's owner and first address to every decode chunk.
 """
 
@@ -189,11 +190,8 @@ def repage(compiled, caches: list, source_Q, mesh=None) -> None:
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def repage_layer(layer, source_Q, *, mesh=None):
-  """One layer's pages (either layout), in `repage`'s new order. A new page is zeros in
-  the XLA layout and, in the kernel's, a copy of an old one: the kernel zeroes the keys
-  and values past each row's length itself, and XLA:TPU gathered into a temporary before
-  selecting the zeros (one new layer more: 1.69 GiB for Llama-3.1-8B at 192 rows per call
-  on a v5p-8).
+  """One layer's pages, in `repage`'s new order, a new page zeros (XLA's layout: the TPU
+  kernel's pool has one size, `pages.ladder`, and never moves).
 
   On a mesh each device moves its own pages, inside `shard_map`: a page never changes
   devices (`pages.PageTable`), and XLA's own gather over a pool split by page went
@@ -204,8 +202,7 @@ def repage_layer(layer, source_Q, *, mesh=None):
   def move(source_Q, *layer):  # pool page numbers -> this device's
     local = layer[0].shape[0]
     index_Q = jnp.where(source_Q < old, source_Q % local, local)
-    fill = dict(mode="clip") if len(layer) == 1 else dict(mode="fill", fill_value=0)
-    return tuple(jnp.take(x, index_Q, axis=0, **fill) for x in layer)
+    return tuple(jnp.take(x, index_Q, axis=0, mode="fill", fill_value=0) for x in layer)
 
   if mesh is None:
     return move(source_Q, *layer)
