@@ -33,6 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from scripts import accelerator_check  # pylint: disable=wrong-import-position
 
 ALL_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 VARIANTS = {
@@ -183,6 +184,10 @@ def main(argv=None) -> None:
     return
   if not args.out:
     parser.error("--out is required")
+  parts = [p for p in args.parts.split(",") if p]
+  unknown = [p for p in parts if p not in BUDGETS_S]
+  if unknown:
+    parser.error(f"--parts: unknown {', '.join(unknown)}; known: {', '.join(BUDGETS_S)}")
   budgets = dict(BUDGETS_S)
   for item in filter(None, args.budget.split(",")):
     name, _, seconds = item.partition("=")
@@ -196,12 +201,7 @@ def main(argv=None) -> None:
     with open(out, encoding="utf-8") as f:
       report = json.load(f)
 
-  def write():
-    with open(out + ".tmp", "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=1)
-    os.replace(out + ".tmp", out)
-
-  parts = [p for p in args.parts.split(",") if p]
+  write = lambda: accelerator_check.write(out, report)
   if "decode" in parts:
     decode(report, budgets["decode"], args.smoke, write)
   if "study" in parts:

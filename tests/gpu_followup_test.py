@@ -22,6 +22,8 @@ def _run(*args, **kwargs):
 @pytest.mark.parametrize("args, line", [
     (["--out", "x.json", "--budget", "decode=soon"], "--budget decode=soon: give NAME=SECONDS"),
     (["--out", "x.json", "--budget", "learner=60"], "--budget learner=60: give NAME=SECONDS"),
+    (["--out", "x.json", "--parts", "decode,tests"],
+     "--parts: unknown tests; known: decode, study"),
     ([], "--out is required")])
 def test_bad_arguments_get_one_line(args, line, tmp_path):
   proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True,
