@@ -266,10 +266,9 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
   """
   dtype = models.config.dtype_from_name(cfg.dtype)
   itemsize = np.dtype(dtype).itemsize
-  D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  D, V = cfg.hidden_size, cfg.vocab_size
   HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  layer = dict(q=(D, HD), k=(D, KD), v=(D, KD), o=(HD, D), gate=(D, F), up=(D, F),
-               down=(F, D))
+  layer = _layer_shapes(cfg)
   # Drawn on the device: a 1.5B-parameter model's weights take minutes from a host RNG.
   keys = iter(jax.random.split(jax.random.key(0), cfg.num_layers * len(layer) + 1))
   normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, dtype)
@@ -287,8 +286,7 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
   x = jnp.ones((batch, D), dtype)
   jax.block_until_ready(matmuls(x, weights, head))
   seconds = median_time(lambda: jax.block_until_ready(matmuls(x, weights, head)), repeats)
-  weight_count = cfg.num_layers * sum(a * b for a, b in layer.values()) + D * V
-  matmul_flops = 2 * batch * weight_count
+  matmul_flops = 2 * batch * _weight_count(cfg)
   attention_flops = 4 * batch * cfg.num_layers * HD * context
   step_flops = matmul_flops + attention_flops
   throughput = matmul_flops / seconds
@@ -301,15 +299,26 @@ def roofline(cfg, batch, context, bandwidth_gbs, repeats):
               compute_plus_kv_read_tokens_per_s=batch / (compute_s + kv_s))
 
 
+def _layer_shapes(cfg) -> dict:
+  """A decoder layer's weight matrices (in, out)."""
+  D, F = cfg.hidden_size, cfg.intermediate_size
+  HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return dict(q=(D, HD), k=(D, KD), v=(D, KD), o=(HD, D), gate=(D, F), up=(D, F),
+              down=(F, D))
+
+
+def _weight_count(cfg) -> int:
+  """The matmul weights a decode step reads: every layer's and the LM head."""
+  return (cfg.num_layers * sum(a * b for a, b in _layer_shapes(cfg).values())
+          + cfg.hidden_size * cfg.vocab_size)
+
+
 def bandwidth_bound(cfg, batch, context, bandwidth_gbs) -> float:
   """Decode tokens/s if a step only read the weights and `batch` rows' KV of `context`
   tokens, in the compute dtype, at `bandwidth_gbs`."""
   itemsize = np.dtype(models.config.dtype_from_name(cfg.dtype)).itemsize
-  D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-  HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  weight_count = cfg.num_layers * (D * (HD + 2 * KD + 2 * F) + HD * D + F * D) + D * V
-  kv_bytes = itemsize * 2 * cfg.num_layers * batch * KD * context
-  return batch * bandwidth_gbs * 1e9 / (itemsize * weight_count + kv_bytes)
+  kv_bytes = itemsize * 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * context
+  return batch * bandwidth_gbs * 1e9 / (itemsize * _weight_count(cfg) + kv_bytes)
 
 
 def bound_bandwidth_gbs(repeats) -> dict:
