@@ -13,9 +13,8 @@ plus the pool of that chunk's size (read whole each step by XLA's attention, onl
 live rows' pages by the TPU kernel; updated in place, so not moved whole per call,
 `analysis.call_bytes`, except in reports from before that rule); its FLOPs in
 proportion to the chunk's slots and steps. Placing rows (`place`) is priced likewise, a
-preempted row's
-resume by the prefill's cost per token (`admit`), a pool resize by `repage_layer` per
-layer. What does not depend on the lengths (the parameters' copy, `empty`, `admit`'s
+preempted row's resume by the prefill's cost per token (`admit`), a pool resize by
+`repage_layer` per layer. What does not depend on the lengths (the parameters' copy, `empty`, `admit`'s
 prompts) is taken as compiled. Estimates, not measurements: the simulation's slots and
 pool beyond what was compiled assume the decode program still fits (the planner checks
 that by compiling).
@@ -99,7 +98,7 @@ class Prices:
   layers: int
 
 
-def kv_layout(report: dict, page: int = PAGE) -> tuple[int, float]:
+def kv_layout(report: dict) -> tuple[int, float]:
   """The pool's split over the batch axes and one page's KV bytes per device over all
   layers: KV heads split by tensor where they divide, in the model's compute dtype (the
   engine's pool dtype)."""
@@ -107,7 +106,7 @@ def kv_layout(report: dict, page: int = PAGE) -> tuple[int, float]:
   kv_heads = m["kv_heads"] // tensor if m["kv_heads"] % tensor == 0 else m["kv_heads"]
   dtype_bytes = 2 if m["dtype"] in ("bfloat16", "float16") else 4
   return (report["devices"] // tensor,
-          page * 2 * kv_heads * (m["hidden"] // m["heads"]) * dtype_bytes * m["layers"])
+          PAGE * 2 * kv_heads * (m["hidden"] // m["heads"]) * dtype_bytes * m["layers"])
 
 
 def prices(report: dict) -> Prices:
@@ -116,16 +115,15 @@ def prices(report: dict) -> Prices:
   target = report["target"]
   programs = {p["name"]: p for p in report["programs"]}
   decode_p, place, admit = programs["decode_chunk"], programs["place"], programs["admit"]
-  page = PAGE
-  shards, page_bytes = kv_layout(report, page)
+  shards, page_bytes = kv_layout(report)
   steps, slots, pool = map(int, re.match(r"(\d+) decode steps of (\d+) slots over the "
                                          r"(\d+)-page", decode_p["purpose"]).groups())
   pool_bytes = pool / shards * page_bytes
   kernel = "tpu_custom_call" in decode_p["custom_calls"]
   L = decode.length_bucket(b["prompt_tokens"], 16)
   N = b["response_tokens"]
-  per_row = -(-(L + N) // page)
-  share = (L + N / 2) / (per_row * page) if kernel else 1.0  # as `programs` compiled it
+  per_row = -(-(L + N) // PAGE)
+  share = (L + N / 2) / (per_row * PAGE) if kernel else 1.0  # as `programs` compiled it
   streamed = (decode_p["hbm_bytes_per_call"] - analysis.call_bytes(decode_p)) / steps
   pool_moves = 0 if decode_p.get("in_place") else 2
   prompts_per_admit = int(re.match(r"prefill of (\d+) prompts x (\d+)", admit["purpose"])[1])
@@ -157,7 +155,7 @@ def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
   price = prices(report)
   L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
   slots = slots or b["max_rows"]
-  table = pages.PageTable(slots, 64, L, N, price.shards, capacity,
+  table = pages.PageTable(slots, PAGE, L, N, price.shards, capacity,
                           kernel=price.kernel)
   if sizes is not None:
     table.sizes, table.owner_P = sizes, np.full(sizes[0], -1)

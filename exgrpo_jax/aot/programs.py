@@ -177,8 +177,8 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   # Every row at its longest (the worst case): at a uniform step of its life, a row holds
   # its prompt and half its response of the per_row pages it may grow to.
   live = (L + N / 2) / (per_row * engine.page_size) if kernel else 1.0
-  # The pool starts at its smallest size and grows layer by layer (`slots.repage`); the
-  # later programs take it at its largest, the memory's worst case.
+  # A pool of several sizes starts at its smallest and grows layer by layer
+  # (`slots.repage`); the later programs take it at its largest, the memory's worst case.
   if len(table.sizes) == 1:
     grown = lambda out: out[prefix + "empty"][0]
     repage = []

@@ -10,8 +10,8 @@ key/value at address prompt length + t; address a lies in the row's page `a // T
 host's page table, `pages.PageTable`, says which pool page that is), at slot `a % T`.
 The row attends to its addresses up to its newest token (`attended`), on its own pages
 only. The host sizes XLA's pool between chunks (`repage`; the kernel's has one size)
-and passes the page table and
-each page's owner and first address to every decode chunk.
+and passes the page table and each page's owner and first address to every decode
+chunk.
 """
 
 import functools
