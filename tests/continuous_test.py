@@ -12,8 +12,10 @@ import jax
 import numpy as np
 import pytest
 
+from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax.sampling import continuous
+from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import schedule
 from tests import sampler_test
 
@@ -77,11 +79,32 @@ def test_every_slot_count_gives_the_static_rows(eos_model, config):
   engine = sampling.make_engine("jax", cfg, None, chunk_steps=CHUNK)
   prompt_index = ref.prompt_index_N
   raw = continuous.generate(engine, PROMPTS, prompt_index, np.arange(prompt_index.size),
-                            params, key, config, prompt_len=32, slots=11, page_size=64)
+                            continuous.weights(engine, params), key, config, prompt_len=32,
+                            slots=11, page_size=64)
   np.testing.assert_array_equal(raw["lengths_B"], ref.lengths_N)
   np.testing.assert_array_equal(np.where(ref.mask_NxT, raw["tokens_BxN"], 0),
                                 np.where(ref.mask_NxT, ref.tokens_NxT, 0))
   np.testing.assert_allclose(raw["logprobs_BxN"], ref.logprobs_NxT, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_prefill_on_the_prepared_layers_is_the_models(bias):
+  """`continuous.weights` keeps the layers only in the decode form; `decode.prefill` on
+  them gives the model's logits and cache (left-padded prompts, with q/k/v bias too)."""
+  cfg, _ = sampler_test.tiny_model()
+  cfg = dataclasses.replace(cfg, attention_bias=bias)
+  params = models.init_params(cfg, jax.random.key(1))
+  engine = sampling.make_engine("jax", cfg, None)
+  rest, layers = continuous.weights(engine, params)
+  assert "layers" not in rest and len(layers) == cfg.num_layers
+  prompt_PxL = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], np.int32)
+  valid_PxL = prompt_PxL > 0
+  want_logits, want = decode.prefill(cfg, params, prompt_PxL, valid_PxL)
+  logits, cache = jax.jit(decode.prefill, static_argnums=0)(cfg, rest, prompt_PxL, valid_PxL,
+                                                            layers)
+  np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-5)
+  for got, ref in zip(jax.tree.leaves(cache), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
 
 
 def test_long_rollouts_are_scheduled_continuously_when_every_row_has_a_slot(

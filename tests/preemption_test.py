@@ -61,7 +61,8 @@ def test_a_forced_preemption_of_any_row_at_any_chunk_gives_the_same_rows(eos_mod
       def preempt(at, slot_row_B, row=row, chunk=chunk):
         return np.flatnonzero(slot_row_B == row) if at == chunk else []
       before = engine.stats["preemptions"]
-      raw = continuous.generate(engine, PROMPTS, prompt_index, rows, params, key, SAMPLED,
+      raw = continuous.generate(engine, PROMPTS, prompt_index, rows,
+                                continuous.weights(engine, params), key, SAMPLED,
                                 prompt_len=16, slots=3, page_size=PAGE, preempt=preempt)
       forced += engine.stats["preemptions"] - before
       np.testing.assert_array_equal(raw["lengths_B"], ref.lengths_N)
@@ -80,9 +81,9 @@ def test_the_schedule_simulated_from_the_rows_lengths_is_the_engines(eos_model, 
   engine = _engine(cfg, capacity)
   prompt_index = np.repeat(np.arange(len(PROMPTS)), COUNTS)
   rows = np.arange(prompt_index.size)
-  raw = continuous.generate(engine, PROMPTS, prompt_index, rows, params, jax.random.key(3),
-                            SAMPLED, prompt_len=16, slots=4, page_size=PAGE,
-                            capacity=capacity)
+  raw = continuous.generate(engine, PROMPTS, prompt_index, rows,
+                            continuous.weights(engine, params), jax.random.key(3), SAMPLED,
+                            prompt_len=16, slots=4, page_size=PAGE, capacity=capacity)
   table = pages.PageTable(4, PAGE, 16, SAMPLED.max_new_tokens, 1, capacity)
   trace = schedule.simulate(raw["lengths_B"], [len(PROMPTS[p]) for p in prompt_index], table,
                             SAMPLED.max_new_tokens, continuous_test.CHUNK)

@@ -119,12 +119,14 @@ def _child(outdir: str) -> None:
       # axes (2 ways on 2x4) divide them.
       engine = sampling.make_engine("jax", cfg, None, max_rows=8, chunk_steps=4,
                                     page_size=4)
+      stacked_alive = _stacked_layers_alive(engine)
       out = engine.generate(prompts, 3, jax.device_put(sample_params, param_shardings),
                             jax.random.key(2), greedy)
       summary[name].update(continuous=out.tokens_NxT.tolist(),
                            continuous_logp=out.logprobs_NxT.tolist(),
                            tail_slot_steps=engine.stats["slot_steps"]
-                           - 8 * engine.stats["decode_steps"])
+                           - 8 * engine.stats["decode_steps"],
+                           stacked_layers_alive=stacked_alive)
       # 3 slots asked for, fewer than or not a multiple of the batch shards (8, 2): the
       # engine rounds them up (a bare StopIteration before).
       out = sampling.make_engine("jax", cfg, None, max_rows=3, chunk_steps=4,
@@ -138,6 +140,29 @@ def _child(outdir: str) -> None:
     np.savez(os.path.join(outdir, f"{name}.npz"), *map(np.asarray, jax.tree.leaves(params)))
   with open(os.path.join(outdir, "summary.json"), "w") as f:
     json.dump(summary, f)
+
+
+def _stacked_layers_alive(engine) -> list:
+  """Spies on `engine`: before each decode chunk, how many arrays of the rollout copy's
+  stacked layers are still alive (by buffer address and shape)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.sampling import slots as slots_lib  # pylint: disable=g-import-not-at-top
+  buffer = lambda x: (x.shape, x.addressable_shards[0].data.unsafe_buffer_pointer())
+  stacked, alive = set(), []
+  make_copy, compiled = engine._rollout_params, engine.compiled
+
+  def rollout_params(params):
+    copy = make_copy(params)
+    stacked.update(map(buffer, jax.tree.leaves(copy["layers"])))
+    return copy
+
+  def spy(program, args, static, takes_cfg=True):
+    if program is slots_lib.decode_chunk:
+      alive.append(len(stacked & set(map(buffer, jax.live_arrays()))))
+    return compiled(program, args, static, takes_cfg)
+
+  engine._rollout_params, engine.compiled = rollout_params, spy
+  return alive
 
 
 def _preempting(cfg, params, prompts, greedy, mesh) -> dict:
@@ -268,6 +293,15 @@ def test_sharded_greedy_sampling_matches_one_device(measured, mesh):
     np.testing.assert_array_equal(summary[mesh][name], tokens)
     np.testing.assert_allclose(summary[mesh][name + "_logp"], summary["single"]["greedy_logp"],
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", SAMPLING_MESHES)
+def test_the_rollout_copys_stacked_layers_are_freed_before_decoding(measured, mesh):
+  """The continuous engine keeps the layers once, prepared (`continuous.weights`): the
+  rollout copy's stacked layers are gone by the first decode chunk."""
+  summary, _ = measured
+  alive = summary[mesh]["stacked_layers_alive"]
+  assert alive and not any(alive), alive
 
 
 @pytest.mark.parametrize("mesh", SAMPLING_MESHES)

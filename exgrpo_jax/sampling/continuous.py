@@ -64,10 +64,21 @@ MAX_PROMPTS = 4
 # ones (a hit is then confirmed on the whole text). A longer stop string is still found
 # by `outputs.finalize`; only its slot is not freed early.
 _STOP_LOOKBACK = 32
-def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, prompt_len,
-             slots: int, page_size: int, capacity: int | None = None,
+def weights(engine, params) -> tuple[dict, list]:
+  """The rollout's weights: `params` without their stacked layers, and the layers in the
+  decode step's form (`decode.prepare_layers`), which every program of the rollout reads
+  (`slots.admit` and `resume` too, `decode.prefill`). One copy of the layers stays beside
+  the page pool, not two: a caller that keeps no other reference to `params` frees their
+  stacked layers before the pool is allocated."""
+  layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
+  return {k: v for k, v in params.items() if k != "layers"}, layers
+
+
+def generate(engine, prompt_ids, prompt_index_R, rows_R, weights_, key, sampling,
+             prompt_len, slots: int, page_size: int, capacity: int | None = None,
              headroom: float = 0.0, preempt=None):
-  """Decodes rows `rows_R` (global row ids) of prompts `prompt_index_R` in `slots` slots.
+  """Decodes rows `rows_R` (global row ids) of prompts `prompt_index_R` in `slots` slots,
+  with the model's `weights_` (`weights`).
 
   `engine` is the calling `JaxEngine` (EOS ids, pad id, tokenizer, chunk length, compiled
   programs and stats); `prompt_len` is the bucketed prompt length L; the KV cache is a
@@ -79,6 +90,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   takes, as the static loop does.
   """
   R, N, B = len(rows_R), sampling.max_new_tokens, slots
+  params, layers = weights_
   mesh = sharding.mesh_of(params)
   put = (lambda x: x) if mesh is None else (
       lambda x: jax.device_put(x, sharding.replicated(mesh)))
@@ -90,14 +102,13 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, params, key, sampling, 
   table = pages_lib.PageTable(B, page_size, prompt_len, N, shards, capacity,
                               kernel=kernel)
   keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
-  layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
       kernel=kernel, mesh=mesh))(params, key)
   prompt_len_R = np.array([len(prompt_ids[p]) for p in prompt_index_R])
   row_keys_R = put(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
       key, jnp.asarray(rows_R, jnp.uint32)))
-  admitter = _Admitter(engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
+  admitter = _Admitter(engine, prompt_ids, prompt_index_R, row_keys_R, weights_, prompt_len,
                        table, put)
   scheduler = schedule.Scheduler(table, prompt_len_R, N, engine.chunk_steps, keep_free)
   lengths_R = scheduler.lengths_R
@@ -167,10 +178,10 @@ def _stopped(tokenizer, ids, new_from: int, stop_strings) -> bool:
 class _Admitter:
   """Loads waiting rows into free slots with `slots.admit`, keeping the carry's prompt."""
 
-  def __init__(self, engine, prompt_ids, prompt_index_R, row_keys_R, params, prompt_len,
+  def __init__(self, engine, prompt_ids, prompt_index_R, row_keys_R, weights_, prompt_len,
                table, put):
     self.engine, self.prompt_ids, self.prompt_index_R = engine, prompt_ids, prompt_index_R
-    self.row_keys_R, self.params, self.L, self.table, self.put = (row_keys_R, params,
+    self.row_keys_R, self.weights, self.L, self.table, self.put = (row_keys_R, weights_,
                                                                   prompt_len, table, put)
     self.B = table.slots
     self.rows_per_call = min(MAX_ROWS, self.B)
@@ -209,7 +220,7 @@ class _Admitter:
       for a, seq in enumerate(seqs):
         seq_AxM[a, M - len(seq):], valid_AxM[a, M - len(seq):] = seq, True
       self.engine.stats["recomputed_tokens"] += int(lengths_R[part].sum())
-      args = (self.params, *self.put((seq_AxM, valid_AxM)))
+      args = (*self.weights, *self.put((seq_AxM, valid_AxM)))
       rows_state = self.engine.compiled(slots_lib.resume, args, {})(*args)
       slot_A = np.full(A, self.B, np.int32)  # B: out of range, dropped
       slot_A[:len(slots)] = slots
@@ -235,7 +246,7 @@ class _Admitter:
     slot_A = np.full(A, self.B, np.int32)  # B: out of range, dropped
     slot_A[:len(slot_of_row)] = slot_of_row
     keys_A = jnp.take(self.row_keys_R, jnp.asarray(np.resize(rows, A)), axis=0)
-    args = (self.params, carry, *self.put((prompt_PxL, valid_PxL, source_A)),
+    args = (*self.weights, carry, *self.put((prompt_PxL, valid_PxL, source_A)),
             self.put(np.int32(sources[-1])))
     admitted, carry = self.engine.compiled(slots_lib.admit, args, {})(*args)
     args = (state, admitted, *self.put((slot_A, self.table.prompt_pages(slot_A))), keys_A,

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from exgrpo_jax import models
+from exgrpo_jax.models import attention as attention_lib
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import transformer
 from exgrpo_jax.sampling import categorical
@@ -55,16 +56,41 @@ def _split_rows(cache: models.KVCache, row_prompt_B: jax.Array):
                for i in range(cache.k_LxBxKxDhxS.shape[0]))
 
 
-def prefill(cfg, params, prompt_PxL, valid_PxL):
+def prefill(cfg, params, prompt_PxL, valid_PxL, layers=None):
   """Runs P left-padded prompts through the model; returns (next-token logits_PxV, KVCache).
 
   The cache holds the prompts' L slots only: decoding adds its slots when each row's cache
-  is copied out, so the prefill's cost does not grow with the rollout length.
+  is copied out, so the prefill's cost does not grow with the rollout length. With
+  `layers` (`prepare_layers`' weights) the layers run on those, unrolled, each through
+  the model's own layer (`decode_layer.unprepare`), and params["layers"] is not read: the
+  continuous engine keeps one copy of the weights beside its page pool, not two.
   """
   cache = models.KVCache.zeros(cfg, *prompt_PxL.shape)
-  hidden_PxLxD, cache = models.apply(cfg, params, prompt_PxL, valid_PxL, cache=cache,
-                                     return_hidden=True)
+  if layers is None:
+    hidden_PxLxD, cache = models.apply(cfg, params, prompt_PxL, valid_PxL, cache=cache,
+                                       return_hidden=True)
+  else:
+    hidden_PxLxD, cache = _prefill_layers(cfg, params, layers, prompt_PxL, valid_PxL, cache)
   return _last_logits(cfg, params, hidden_PxLxD[:, -1]), cache
+
+
+def _prefill_layers(cfg, params, layers, tokens_PxL, valid_PxL, cache):
+  """`models.apply` with a cache and return_hidden, on the prepared layers."""
+  dt = config_lib.dtype_from_name(cfg.dtype)
+  valid_PxS, positions_PxL = transformer.cache_positions(cache.valid_BxS, cache.index,
+                                                         valid_PxL)
+  mask = attention_lib.AttentionMask.padded(valid_PxS, cache.index)
+  x_PxLxD = jnp.take(params["embed"], tokens_PxL, axis=0).astype(dt)
+  new_kv = []
+  for i, w in enumerate(layers):
+    x_PxLxD, kv = transformer.DecoderLayer(cfg).apply(
+        {"params": decode_layer.unprepare(cfg, w)}, x_PxLxD,
+        (cache.k_LxBxKxDhxS[i], cache.v_LxBxKxSxDh[i], cache.index), positions_PxL, mask)
+    new_kv.append(kv)
+  h_PxLxD = transformer.RMSNorm(cfg).apply({"params": params["final_norm"]}, x_PxLxD)
+  k_LxPxKxDhxS, v_LxPxKxSxDh = (jnp.stack(x) for x in zip(*new_kv))
+  return h_PxLxD, models.KVCache(k_LxPxKxDhxS, v_LxPxKxSxDh, valid_PxS,
+                                 cache.index + tokens_PxL.shape[1])
 
 
 def prepare_layers(cfg, params):

@@ -49,6 +49,22 @@ def prepare(cfg, layer_params):
       down_FxD=mlp["down_proj"].astype(dt))
 
 
+def unprepare(cfg, w):
+  """`prepare`'s output in the model's layer form (`transformer.DecoderLayer`'s
+  parameters), views of the prepared arrays but for gate/up, one layer at a time: the
+  continuous engine keeps only the prepared weights and prefills with them
+  (`decode.prefill`)."""
+  names = ("q_proj", "k_proj", "v_proj")
+  attn = {n: w[n] for n in names}
+  if cfg.attention_bias:
+    attn.update({n + "_bias": w[n + "_bias"] for n in names})
+  attn["o_proj"] = w["o_ExD"].reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
+  mlp = dict(gate_proj=w["gate_up_Dx2xF"][:, 0], up_proj=w["gate_up_Dx2xF"][:, 1],
+             down_proj=w["down_FxD"])
+  return dict(input_norm=w["input_norm"], post_attn_norm=w["post_attn_norm"], attn=attn,
+              mlp=mlp)
+
+
 @flax.struct.dataclass
 class Paged:
   """Where B rows write in a pool of P pages of T slots, and what they attend to."""

@@ -158,15 +158,17 @@ class JaxEngine:
           f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds "
           f"the model's max_position_embeddings={self.model_cfg.max_position_embeddings}")
     start = time.perf_counter()
-    params = self._rollout_params(params)
     slots = self.continuous_slots(prompt_index_N.size, sampling.max_new_tokens,
                                   sharding.mesh_of(params))
     if slots:
+      # No name holds the rollout copy: its stacked layers go once they are prepared.
+      weights = continuous.weights(self, self._rollout_params(params))
       parts = [continuous.generate(
-          self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), params, key,
+          self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), weights, key,
           sampling, self._prompt_bucket(prompt_ids, prompt_index_N), slots, self.page_size,
           self.kv_pages, self.kv_headroom)]
     else:
+      params = self._rollout_params(params)
       parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key,
                                    sampling) for rows in self._split(counts)]
     raw = {k: (None if parts[0][k] is None else np.concatenate([p[k] for p in parts]))

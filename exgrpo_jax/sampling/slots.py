@@ -99,8 +99,10 @@ def _constrain_pool(layers, mesh):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("carry",))
-def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
+def admit(cfg, params, layers, carry, prompt_PxL, valid_PxL, source_A, carry_source):
   """The prompt state of A rows, then the new carry: returns (Admitted, carry).
+
+  `params` without their stacked layers and `layers`, `prepare_layers`' (`decode.prefill`).
 
   Row a continues source `source_A[a]`: 0 is the carry (the last prefilled prompt), j > 0
   is the (j-1)-th of the P prompts prefilled here (P may be 0). The new carry is source
@@ -110,7 +112,7 @@ def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
   logits_QxV, k_LxQ, v_LxQ, valid_QxL = (carry_logits_1xV, carry_cache.k_LxBxKxDhxS,
                                          carry_cache.v_LxBxKxSxDh, carry_cache.valid_BxS)
   if prompt_PxL.shape[0]:
-    logits_PxV, cache = decode.prefill(cfg, params, prompt_PxL, valid_PxL)
+    logits_PxV, cache = decode.prefill(cfg, params, prompt_PxL, valid_PxL, layers)
     logits_QxV = jnp.concatenate([logits_QxV, logits_PxV])
     k_LxQ = jnp.concatenate([k_LxQ, cache.k_LxBxKxDhxS], axis=1)
     v_LxQ = jnp.concatenate([v_LxQ, cache.v_LxBxKxSxDh], axis=1)
@@ -127,11 +129,11 @@ def admit(cfg, params, carry, prompt_PxL, valid_PxL, source_A, carry_source):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def resume(cfg, params, seq_AxM, valid_AxM):
+def resume(cfg, params, layers, seq_AxM, valid_AxM):
   """The state of A preempted rows, as `admit` hands rows to `place`: each row's prompt
   and the tokens it had emitted (left-padded to M) run through the model again, so its
   cache holds every address up to its newest token and its logits predict the next."""
-  logits_AxV, cache = decode.prefill(cfg, params, seq_AxM, valid_AxM)
+  logits_AxV, cache = decode.prefill(cfg, params, seq_AxM, valid_AxM, layers)
   return Admitted(
       caches=tuple((cache.k_LxBxKxDhxS[i], cache.v_LxBxKxSxDh[i])
                    for i in range(cfg.num_layers)),
