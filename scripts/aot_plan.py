@@ -19,10 +19,16 @@ query heads divide), all layers compiled (`exgrpo_jax.aot`):
             largest multiple of the unit between them, compiled and shown the same way.
 The chosen mesh keeps the config's micro-batch where any can, then has the most rows
 per call, then the least tensor parallelism (the old analytic plan's rule). Its whole
-training step is compiled once more with those settings: that report is the output,
-with every candidate's figures under "search". GPU targets read
+training step is compiled once more with those settings (`chosen.reserved_rows`: every
+slot's row reserved at its longest). Then admission (`Planner.admission`): the pool's
+capacity (`rollout.kv_pages`) is what the memory holds beside that step's decode, the
+slots (`rollout.max_rows`) those that cost least at the mid length scenario over it
+(`exgrpo_jax.aot.lengths`), compiled, the capacity lowered until every program fits;
+unless the reserved rows cost least. The last compile's report is the output, with
+every candidate's figures under "search". GPU targets read
 XLA_PYTHON_CLIENT_MEM_FRACTION (docs/aot.md runs them at 0.95). `--like` takes another
-config's choice (the instruct models have their base model's shapes) and compiles it.
+config's choice (the instruct models have their base model's shapes), its admission
+too, and compiles it; a plan as its own `--like` redoes its admission without the search.
 """
 
 import argparse
@@ -43,14 +49,17 @@ from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top,wrong-
 
 GIB = 2 ** 30
 STEP = 64
+ADMISSION_TRIES = 4  # compiles of the capacity, each lowered by what the last lacked
 
 
-def _config(name: str, tensor: int, devices: int, micro: int, max_rows: int):
+def _config(name: str, tensor: int, devices: int, micro: int, max_rows: int,
+            kv_pages: int = 0):
   config = importlib.import_module(f"configs.{name}").get_config()
   with config.unlocked():
     config.mesh.shape = (devices // tensor, tensor)
     config.optim.micro_batch_size = micro
     config.rollout.max_rows = max_rows
+    config.rollout.kv_pages = kv_pages
   return config
 
 
@@ -76,13 +85,14 @@ class Planner:
     self.usable = targets.usable_bytes(self.spec) / GIB
     self.search = []
 
-  def compile(self, tensor, micro, max_rows, parts) -> dict:
-    config = _config(self.name, tensor, self.spec.devices, micro, max_rows)
+  def compile(self, tensor, micro, max_rows, parts, kv_pages=0) -> dict:
+    config = _config(self.name, tensor, self.spec.devices, micro, max_rows, kv_pages)
     print(f"[plan] {self.name} {self.target} tensor={tensor} micro={micro} "
-          f"max_rows={max_rows} {'+'.join(parts)}", file=sys.stderr, flush=True)
+          f"max_rows={max_rows} kv_pages={kv_pages} {'+'.join(parts)}", file=sys.stderr,
+          flush=True)
     report = self.check.run(config, self.target, parts=parts, progress=lambda _: None)
     self.search.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows,
-                            parts=list(parts), ok=report["ok"],
+                            kv_pages=kv_pages, parts=list(parts), ok=report["ok"],
                             first_failure=report["first_failure"],
                             device_peak_gib=_peaks(report)))
     return report
@@ -130,6 +140,39 @@ class Planner:
     return fine
 
 
+  def admission(self, best: dict, reserved: dict, headroom: float):
+    """The pool's capacity and the slots over it, from `reserved` (the step compiled at
+    `best`'s rows, each with a pool row at its longest): the pages the memory holds
+    (`pool_bound`), the slots that cost least at the mid scenario over them
+    (`lengths.best_slots`), compiled, and the pages lowered by what the costliest
+    program lacked until it fits. Returns (report, slots, pages), or None where the
+    reserved rows cost least or nothing fits."""
+    from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+    from exgrpo_jax.sampling import decode  # pylint: disable=g-import-not-at-top
+    b = reserved["batch"]
+    shards, page_bytes = lengths.kv_layout(reserved)
+    per_row = -(-(decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"])
+                // lengths.PAGE)
+    pages = int(pool_bound(reserved) * per_row) // shards * shards
+    mid = lengths.scenario("mid", b["response_tokens"], b["questions"] * b["k"])
+    today = lengths.rollout_estimate(reserved, mid)
+    for _ in range(ADMISSION_TRIES):
+      chosen = lengths.best_slots(reserved, mid, headroom, today, capacity=pages)
+      if chosen is today or pages < per_row * shards:
+        return None
+      report = self.compile(best["tensor"], best["micro_batch_size"], chosen["slots"],
+                            ("learner", "rollout"), kv_pages=pages)
+      if report["ok"]:
+        return report, chosen["slots"], pages
+      over = max((p["device_peak_bytes"] - p["usable_bytes"] if not p["error"]
+                  else (_need(dict(first_failure=p["error"])) - self.usable) * GIB)
+                 for p in report["programs"])
+      per_shard = pages // shards
+      lower = math.ceil(max(over, 0) / page_bytes) + 1 if math.isfinite(over) else per_shard // 10
+      pages -= lower * shards
+    return None
+
+
 def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, most: int,
              unit: int) -> int | None:
   """The most rows (a multiple of `unit`, at least `unit`, at most `most`) whose peaks fit
@@ -165,7 +208,9 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
                 candidates=candidates, search=planner.search,
                 searched_as=like["config"] if like else None)
   if like and like["fits"]:
-    fitting = [{k: like["chosen"][k] for k in ("tensor", "micro_batch_size", "max_rows")}]
+    fitting = [dict(tensor=like["chosen"]["tensor"],
+                    micro_batch_size=like["chosen"]["micro_batch_size"],
+                    max_rows=like["chosen"].get("reserved_rows", like["chosen"]["max_rows"]))]
   if not fitting:
     if like:
       return dict(result, fits=False, verdict=f"{name}, as {like['config']}: {like['verdict']}")
@@ -176,10 +221,23 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
         f"{least['micro_batch_size']}: {least['first_failure']}"))
   best = max(fitting, key=lambda c: (c["micro_batch_size"] >= base.optim.micro_batch_size,
                                      c["micro_batch_size"], c["max_rows"], -c["tensor"]))
-  final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
-                          ("learner", "rollout"))
+  chosen = like["chosen"] if like and like["fits"] else {}
+  if chosen.get("kv_pages"):  # the other config's admission, compiled as it is
+    final = planner.compile(best["tensor"], best["micro_batch_size"], chosen["max_rows"],
+                            ("learner", "rollout"), kv_pages=chosen["kv_pages"])
+    admitted = final, chosen["max_rows"], chosen["kv_pages"]
+  else:
+    final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
+                            ("learner", "rollout"))
+    admitted = final["ok"] and planner.admission(best, final, base.rollout.kv_headroom)
+  best = dict(best, reserved_rows=best["max_rows"], kv_pages=0)
+  if admitted:
+    final, slots, pages = admitted
+    best.update(max_rows=slots, kv_pages=pages)
   flags = (f"--config.mesh.shape='({planner.spec.devices // best['tensor']}, "
            f"{best['tensor']})' --config.rollout.max_rows={best['max_rows']}")
+  if best["kv_pages"]:
+    flags += f" --config.rollout.kv_pages={best['kv_pages']}"
   if best["micro_batch_size"] != base.optim.micro_batch_size:
     flags += f" --config.optim.micro_batch_size={best['micro_batch_size']}"
   return dict(result, fits=final["ok"], chosen=dict(best, flags=flags), report=final,
@@ -196,9 +254,11 @@ def pool_bound(report: dict) -> float:
   b = report["batch"]
   shards, page_bytes = lengths.kv_layout(report)
   length = decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]
-  row_bytes = -(-length // lengths.PAGE) * page_bytes / shards
+  per_row = -(-length // lengths.PAGE)
+  row_bytes = per_row * page_bytes / shards
   decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
-  fixed = decode["device_peak_bytes"] - b["max_rows"] * row_bytes
+  pool_pages = b.get("kv_pages") or b["max_rows"] * per_row  # as compiled
+  fixed = decode["device_peak_bytes"] - pool_pages / shards * page_bytes
   return (decode["usable_bytes"] - fixed) / row_bytes
 
 
@@ -228,9 +288,9 @@ def render(paths) -> str:
   verdict of each that does not fit below; then the roofline estimate of one training
   step with them, the HBM bytes of one decode step (`decode_step_bytes`) and the
   prefill's part of the rollout (`prefill_seconds`)."""
-  lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | pool bound "
-           "| learner peak | rollout peak (program) | usable |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | kv_pages "
+           "| pool bound | learner peak | rollout peak (program) | usable |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   estimates = ["| config | target | rows per call | decode GiB per step | rollout s "
                "| of it prefill s | old-log-prob recompute s | learner s | step s |",
                "|---|---|---|---|---|---|---|---|---|"]
@@ -243,7 +303,7 @@ def render(paths) -> str:
       plans.append((p["config"].removeprefix("configs/").removesuffix(".py"), p))
   for name, p in sorted(plans, key=lambda t: (t[0], t[1]["target"])):
     if not p["fits"] or "report" not in p:
-      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | | "
+      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | | | "
                    f"| {p['usable_gib']:.2f} |")
       verdicts.append(f"- {p['verdict']}")
       continue
@@ -254,7 +314,7 @@ def render(paths) -> str:
     lines.append(
         f"| {name} | {p['target']} | {p['report']['mesh'].get('fsdp', 1)} x "
         f"{p['report']['mesh'].get('tensor', 1)} | {c['micro_batch_size']} | {c['max_rows']} "
-        f"| {pool_bound(p['report']):.0f} "
+        f"| {c.get('kv_pages') or 'all rows'} | {pool_bound(p['report']):.0f} "
         f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
         f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
         f"| {p['usable_gib']:.2f} |")

@@ -2,11 +2,14 @@
 bytes, and the rollout search's choice of rows, on made-up compiler figures (no
 compiles); its and `python -m exgrpo_jax.aot`'s bad arguments."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from exgrpo_jax.aot import lengths
 from scripts import aot_plan
 
 GIB = 2 ** 30
@@ -106,6 +109,42 @@ def test_rollout_search_keeps_a_multiple_of_64_that_is_the_most_and_all_rows():
 
 def test_rollout_search_gives_0_where_64_rows_do_not_fit():
   assert _AffinePlanner(10.0, dict(admit=0.1), dict(admit=9.0)).rollout(1, 1024, 8) == 0
+
+
+class _PoolPlanner(aot_plan.Planner):
+  """A planner whose compiles fit while the pool has at most `fits` pages: above, the
+  decode's peak exceeds the usable memory by the extra pages' bytes."""
+
+  def __init__(self, usable, fits, page_bytes, shards):  # pylint: disable=super-init-not-called
+    self.usable, self.fits, self.page_bytes, self.shards = usable, fits, page_bytes, shards
+    self.search = []
+
+  def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+    self.search.append((max_rows, kv_pages))
+    over = max(kv_pages - self.fits, 0) / self.shards * self.page_bytes
+    return dict(ok=not over, first_failure=None, programs=[dict(
+        name="decode_chunk", error=None, device_peak_bytes=self.usable * GIB + over,
+        usable_bytes=self.usable * GIB)])
+
+
+def test_admission_takes_the_pages_that_fit_and_the_slots_that_cost_least_over_them():
+  # qwen7b on v5e-16, compiled with 64 rows reserved at their longest: the memory holds
+  # about 67 rows' pages; a made-up compiler fits 9,400 of them.
+  with open(os.path.join(aot_plan.REPO, "docs/results/aot_qwen7b_v5e-16.json")) as f:
+    reserved = json.load(f)["report"]
+  shards, page_bytes = lengths.kv_layout(reserved)
+  planner = _PoolPlanner(reserved["programs"][0]["usable_bytes"] / GIB, 9400, page_bytes,
+                         shards)
+  best = dict(tensor=4, micro_batch_size=8, max_rows=64)
+  report, slots, pages = planner.admission(best, reserved, 0.1)
+  first = int(aot_plan.pool_bound(reserved) * 144) // shards * shards
+  assert planner.search[0][1] == first > 9400  # too many: lowered once
+  assert len(planner.search) == 2 and planner.search[1] == (slots, pages) and report["ok"]
+  assert 9400 - 2 * shards <= pages <= 9400 and slots > 64
+  mid = lengths.scenario("mid", 8192, 1024)
+  assert (lengths.rollout_estimate(reserved, mid, slots=slots, capacity=pages,
+                                   headroom=0.1)["rollout_s"]
+          < lengths.rollout_estimate(reserved, mid)["rollout_s"])
 
 
 @pytest.mark.parametrize("args, line", [

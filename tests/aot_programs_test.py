@@ -51,11 +51,10 @@ def _shapes(args):
   return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args))
 
 
-@pytest.fixture(scope="module")
-def aot_compiled():
+def _compile_all(config):
   """Every program of a step compiled for the host: (programs, their outputs, results)."""
-  mesh = sharding.make_mesh(small_config().mesh, jax.devices()[:1])
-  listed = programs_lib.training_step(small_config(), CFG, mesh)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  listed = programs_lib.training_step(config, CFG, mesh)
   outputs, results = {}, {}
   for program in listed:
     results[program.name] = check.compile_program(program, outputs, mesh, HOST)
@@ -64,20 +63,25 @@ def aot_compiled():
 
 
 @pytest.fixture(scope="module")
+def aot_compiled():
+  return _compile_all(small_config())
+
+
+@pytest.fixture(scope="module")
 def aot_programs(aot_compiled):
   listed, outputs, _ = aot_compiled
   return {program.name: (program, program.args(outputs)) for program in listed}
 
 
-def test_decode_chunk_counts_everything_the_rollout_keeps(aot_compiled):
-  """During a decode chunk the device holds the learner's state, the whole rollout copy
-  (the engine keeps it for the next admit), the prepared layers and the pool. The chunk
-  reads only the copy's embeddings and head, so its compiled arguments leave out the
-  copy's layers (jit drops unused arguments): they must be counted beside it."""
+def test_decode_chunk_counts_everything_the_rollout_keeps_and_the_layers_once(
+    aot_compiled):
+  """During a decode chunk the device holds the learner's state, the rollout copy
+  without its stacked layers (`continuous.weights` frees them once prepared: admit reads
+  the prepared ones too), the prepared layers and the pool; nothing more."""
   _, outputs, results = aot_compiled
   learner_state = (outputs["learner_step"][0], outputs["learner_step"][1])
-  held = (*learner_state, outputs["rollout_copy"], outputs["prepare_layers"],
-          outputs["repage_layer"])
+  rest = {k: v for k, v in outputs["rollout_copy"].items() if k != "layers"}
+  held = (*learner_state, rest, outputs["prepare_layers"], outputs["repage_layer"])
   pool_layers = CFG.num_layers  # the pool's largest size: every layer as repage_layer's
   held_bytes = (analysis.shard_bytes(held[:-1])
                 + pool_layers * analysis.shard_bytes(outputs["repage_layer"]))
@@ -232,3 +236,34 @@ def test_only_a_pool_of_several_sizes_has_a_growth_to_compile(kernel, monkeypatc
   assert listed["empty"].kwargs["kernel"] == kernel
   assert ("repage_layer" in listed) == (not kernel)
   assert (listed["empty"].kwargs["pages"] == largest) == kernel
+
+
+def test_a_capped_pool_compiles_the_resume_beside_it_as_the_engine_runs_it(monkeypatch):
+  """With `rollout.kv_pages` below every slot's row at its longest, rows are preempted and
+  resumed: the list adds `resume` (a prefill of the longest unfinished row) and its
+  `place`, compiled beside the full pool, with the arguments the engine gives them (its
+  sequences are at most that long)."""
+  c = small_config()
+  c.rollout.kv_pages = 4  # two rows at their longest (2 pages of 64) in 8 slots
+  listed, outputs, results = _compile_all(c)
+  programs = {p.name: p for p in listed}
+  assert "resume" in programs and "place_resumed" in programs
+  assert results["resume"].resident_bytes >= analysis.shard_bytes(
+      outputs["empty"][0].caches)  # beside the pool
+  seen = []
+  real_compiled = jax_engine.JaxEngine.compiled
+
+  def spy(self, program, args, static, takes_cfg=True):
+    if program is programs["resume"].fn:
+      seen.append(_shapes(args))
+    return real_compiled(self, program, args, static, takes_cfg)
+  monkeypatch.setattr(jax_engine.JaxEngine, "compiled", spy)
+  engine = sampling.make_engine("jax", CFG, None, max_rows=8, kv_pages=4, ignore_eos=True)
+  prompts = [list(range(2, 2 + c.data.max_prompt_tokens))] * c.train.batch_questions
+  engine.generate(prompts, c.rollout.k, models.init_params(CFG, jax.random.key(0)),
+                  jax.random.key(1), sampling.SamplingConfig(max_new_tokens=40))
+  assert engine.stats["preemptions"] > 0 and seen
+  ours = _shapes(programs["resume"].args(outputs)[1:])
+  for theirs in seen:  # the same arguments; the sequences no longer than the AOT's
+    assert [(len(a), d) for a, d in theirs] == [(len(a), d) for a, d in ours]
+    assert all(a[:-1] == b[:-1] and a[-1] <= b[-1] for (a, _), (b, _) in zip(theirs, ours))

@@ -179,7 +179,7 @@ def report(config, cfg, target_name, target, mesh, results, slices, step_names) 
                  response_tokens=config.rollout.max_new_tokens,
                  micro_batch_size=config.optim.micro_batch_size,
                  mini_batches=config.optim.mini_batches,
-                 max_rows=config.rollout.max_rows),
+                 max_rows=config.rollout.max_rows, kv_pages=config.rollout.kv_pages),
       programs=[dataclasses.asdict(r) | dict(device_peak_bytes=r.device_peak_bytes,
                                              fits=r.fits) for r in results],
       ok=failed is None,

@@ -148,13 +148,14 @@ def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
                      capacity: int | None = None, headroom: float = 0.0,
                      sizes: list[int] | None = None) -> dict:
   """The rollout's roofline seconds for rows of `lengths_R` (see the module docstring):
-  in `slots` slots (default: the plan's) with a pool of `capacity` pages (default: every
-  slot's row at its longest) and `headroom`, the pool's sizes the engine's
-  (`pages.ladder`) or `sizes` (a ladder to compare)."""
+  in `slots` slots (default: the plan's) with a pool of `capacity` pages (default: the
+  plan's `rollout.kv_pages`, else every slot's row at its longest) and `headroom`, the
+  pool's sizes the engine's (`pages.ladder`) or `sizes` (a ladder to compare)."""
   b = report["batch"]
   price = prices(report)
   L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
-  slots = slots or b["max_rows"]
+  if slots is None:
+    slots, capacity = b["max_rows"], capacity or b.get("kv_pages") or None
   table = pages.PageTable(slots, PAGE, L, N, price.shards, capacity,
                           kernel=price.kernel)
   if sizes is not None:
@@ -196,18 +197,19 @@ def distributions(cap: int, rows: int, path: str | None = None,
 
 
 def best_slots(report: dict, lengths_R, headroom: float, today: dict | None = None,
-               choices: int = 4) -> dict:
+               choices: int = 4, capacity: int | None = None) -> dict:
   """`rollout_estimate` with admission at the slot count that costs least: today's (its
   pool, nothing preempted; `today`, where already estimated) or `choices` more, evenly
-  spaced up to every row in a slot (multiples of 64), each over today's pool with
-  `headroom` kept free. Ties go to fewer slots. The slots beyond today's are not
-  compiled: the estimate assumes they fit."""
+  spaced up to every row in a slot (multiples of 64), each over a pool of `capacity`
+  pages (default: today's) with `headroom` kept free. Ties go to fewer slots. Only the
+  plan's own slots are compiled: the others' estimates assume they fit."""
   today = today or rollout_estimate(report, lengths_R)
   rows, slots = len(lengths_R), today["slots"]
   more = {min(rows, -(-(slots + (rows - slots) * k // choices) // 64) * 64)
           for k in range(1, choices + 1)}
-  estimates = [today] + [rollout_estimate(report, lengths_R, slots=n,
-                                          capacity=today["capacity_pages"], headroom=headroom)
+  capacity = capacity or today["capacity_pages"]
+  estimates = [today] + [rollout_estimate(report, lengths_R, slots=n, capacity=capacity,
+                                          headroom=headroom)
                          for n in sorted(more) if n > slots]
   return min(estimates, key=lambda e: (round(e["rollout_s"], 6), e["slots"]))
 
@@ -215,8 +217,10 @@ def best_slots(report: dict, lengths_R, headroom: float, today: dict | None = No
 def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
   """Markdown: per plan, the rollout's roofline seconds as compiled (every row at the
   cap, `check.step_estimate`) and simulated at each distribution (`distributions`), in
-  today's slots and with admission at the best slot count (`best_slots`: seconds,
-  preemptions in brackets, slots after the @)."""
+  today's slots (a pool of every slot's row at its longest) and with admission (seconds,
+  preemptions in brackets, slots after the @): at the plan's compiled slots and
+  `rollout.kv_pages` where it was planned with them (`chosen.reserved_rows`: today's
+  slots), else at the best slot count over today's pool (`best_slots`)."""
   lines = []
   for name, plan in plans:
     b = plan["report"]["batch"]
@@ -227,9 +231,15 @@ def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
                            *(f"{d} s" for d in dists),
                            *(f"admitting, {d} s" for d in dists)]) + " |",
                "|" + "---|" * (4 + 2 * len(dists))]
-    today = [rollout_estimate(plan["report"], d) for d in dists.values()]
-    admitting = [best_slots(plan["report"], d, headroom, t)
-                 for d, t in zip(dists.values(), today)]
+    reserved = plan.get("chosen", {}).get("reserved_rows")
+    if reserved:  # planned with admission: today's engine had the reserved rows' pool
+      today = [rollout_estimate(plan["report"], d, slots=reserved) for d in dists.values()]
+      admitting = [rollout_estimate(plan["report"], d, headroom=headroom)
+                   for d in dists.values()]
+    else:
+      today = [rollout_estimate(plan["report"], d) for d in dists.values()]
+      admitting = [best_slots(plan["report"], d, headroom, t)
+                   for d, t in zip(dists.values(), today)]
     lines.append(" | ".join([
         f"| {name} | {plan['target']} | {b['max_rows']}",
         f"{plan['report']['step_estimate']['rollout_s']:.0f}",

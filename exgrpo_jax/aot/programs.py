@@ -13,8 +13,10 @@ every response at `rollout.max_new_tokens`, the whole batch fresh):
                   otherwise continuous batching's programs (`sampling.slots`):
   prepare_layers, empty (the page pool at its first size), repage_layer (one layer of
   it grown to its largest, where it has several sizes: not the TPU kernel's), admit
-  (prefill of the most prompts one call takes), place, select, decode_chunk (over the
-  largest pool), release
+  (prefill of the most prompts one call takes), place, resume and place_resumed (a
+  preempted row's prefill at its longest, where `rollout.kv_pages` caps the pool below
+  every slot's row at its longest), select, decode_chunk (over the largest pool),
+  release
 
 Evaluation runs the rollout's programs with the eval settings; those that differ from
 the rollout's are listed again as `eval_*`. The calls are the real jitted functions:
@@ -149,8 +151,12 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
                  engine.rollout_copy_program(mesh), lambda _: (learner_state[0],),
                  resident=lambda _: learner_state[1:])
   params = lambda out: out["rollout_copy"]  # evaluation shares the rollout's copy
+  # Continuous batching's weights (`continuous.weights`): the copy's stacked layers are
+  # freed once prepared, so its programs read these.
+  rest = lambda out: {k: v for k, v in params(out).items() if k != "layers"}
+  layers = lambda out: out[prefix + "prepare_layers"]
   # What stays on the devices beside a rollout program's own arguments.
-  weights = lambda out: (*learner_state, params(out), out[prefix + "prepare_layers"])
+  weights = lambda out: (*learner_state, rest(out), layers(out))
   slots = engine.continuous_slots(rows, N, mesh)
   if not slots:
     per_call = min(rows, engine.max_rows or rows)
@@ -168,7 +174,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
         resident=lambda _: learner_state)]
   kernel = paged_kernel.wanted(pcfg, mesh, slots)
   table = pages.PageTable(slots, engine.page_size, L, N, sharding.batch_shards(mesh),
-                          kernel=kernel)
+                          engine.kv_pages, kernel=kernel)
   pool, per_row = table.sizes[-1], table.table_BxN.shape[1]
   A = min(continuous.MAX_ROWS, slots)
   P = decode.bucket(continuous.MAX_PROMPTS)
@@ -195,42 +201,57 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
         dict(mesh=mesh), calls=0,
         # the other layers, each old or already moved: at most the larger size
         resident=lambda out: (*weights(out), grown(out).caches[1:]))]
+  # Rows at their longest: as many at once as the pool holds.
+  at_once = min(slots, table.capacity_per_shard // per_row * table.shards)
+  resumes = []
+  if at_once < slots:  # a pool that runs out preempts rows and resumes them
+    M = decode.length_bucket(L + N - 1, L)  # the longest: a prompt and N - 1 tokens
+    resumes = [
+        Program(prefix + "resume", f"prefill of {A} preempted rows x {M} tokens",
+                slots_lib.resume,
+                lambda out: (pcfg, rest(out), layers(out), i32(A, M),
+                             _struct((A, M), bool, mesh)),
+                calls=0, resident=lambda out: (*learner_state, grown(out))),
+        Program(prefix + "place_resumed", f"{A} resumed rows into slots and pages",
+                slots_lib.place,
+                lambda out: (grown(out), out[prefix + "resume"], i32(A),
+                             i32(A, -(-M // engine.page_size)),
+                             _struct((A,), _key_dtype(), mesh), i32(A)),
+                calls=0, in_place=True, resident=weights)]
   return [
       copy,
       Program(prefix + "prepare_layers", "per-layer decode weights", slots_lib.prepare_layers,
               lambda out: (pcfg, params(out)), resident=lambda _: learner_state),
       Program(prefix + "empty", f"{slots} slots and the page pool at its first size "
               f"({table.pages} pages of {engine.page_size})", slots_lib.empty,
-              lambda out: (pcfg, params(out), _struct((), _key_dtype(), mesh)),
+              lambda out: (pcfg, rest(out), _struct((), _key_dtype(), mesh)),
               dict(slots=slots, pages=table.pages, page_size=engine.page_size, prompt_len=L,
                    kernel=kernel, mesh=mesh),
-              resident=lambda out: (*learner_state, out[prefix + "prepare_layers"])),
+              resident=lambda out: (*learner_state, layers(out))),
       *repage,
       Program(prefix + "admit", f"prefill of {P} prompts x {L} tokens into {A} rows",
               slots_lib.admit,
-              lambda out: (pcfg, params(out), out[prefix + "empty"][1],
+              lambda out: (pcfg, rest(out), layers(out), out[prefix + "empty"][1],
                            _struct((P, L), jnp.int32, mesh), _struct((P, L), bool, mesh),
                            i32(A), i32()),
               calls=-(-prompts // continuous.MAX_PROMPTS),
-              resident=lambda out: (*learner_state, out[prefix + "prepare_layers"],
-                                    grown(out))),
+              resident=lambda out: (*learner_state, grown(out))),
       Program(prefix + "place", f"{A} admitted rows into slots and pages", slots_lib.place,
               lambda out: (grown(out), out[prefix + "admit"][0], i32(A),
                            i32(A, -(-L // engine.page_size)),
                            _struct((A,), _key_dtype(), mesh), i32(A)),
               calls=-(-rows // A), in_place=True, resident=weights),
+      *resumes,
       Program(prefix + "select", f"the live half of {slots} slots", slots_lib.select,
               lambda out: (grown(out).replace(caches=()), i32(slots // 2)), dict(mesh=mesh),
               calls=0, resident=lambda out: (*weights(out), grown(out).caches)),
       Program(prefix + "decode_chunk", f"{steps} decode steps of {slots} slots over the "
               f"{pool}-page pool", slots_lib.decode_chunk,
-              lambda out: (pcfg, params(out), out[prefix + "prepare_layers"], grown(out),
+              lambda out: (pcfg, rest(out), layers(out), grown(out),
                            i32(slots, per_row), i32(pool), i32(pool), *scalars),
-              options | dict(steps=steps), calls=rows * N / slots / steps, steps=steps,
+              options | dict(steps=steps), calls=rows * N / at_once / steps, steps=steps,
               streamed=(2, 3), cache_share=live, in_place=True,
-              # the copy's layers: the chunk reads the prepared ones (jit drops the unused
-              # argument), but the engine holds them for its next admit
-              resident=lambda out: (*learner_state, params(out)["layers"])),
+              resident=lambda _: learner_state),
       Program(prefix + "release", "slots freed by stop strings", slots_lib.release,
               lambda out: (grown(out), _struct((slots,), bool, mesh)), calls=0,
               in_place=True, resident=weights),
@@ -241,7 +262,9 @@ def training_step(config, cfg, mesh) -> list[Program]:
   """Every program of one training step of `config` for model `cfg` on `mesh`."""
   programs, learner_state = learner_programs(config, cfg, mesh)
   engine = sampling.make_engine("jax", cfg, None, max_rows=config.rollout.max_rows or None,
-                                scheduler=config.rollout.scheduler)
+                                scheduler=config.rollout.scheduler,
+                                kv_pages=config.rollout.kv_pages or None,
+                                kv_headroom=config.rollout.kv_headroom)
   rows = config.train.batch_questions * config.rollout.k
   train_sampling = sampling.SamplingConfig.for_rollout(config.rollout)
   rollout = rollout_programs(engine, cfg, mesh, learner_state, train_sampling, rows,
