@@ -241,11 +241,12 @@ def local_variant(arg: str | None, config_file: str) -> str:
 
 
 def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_start: float,
-                 mesh_shape=(-1, 1), max_rows=0) -> ml_collections.ConfigDict:
+                 mesh_shape=(-1, 1), max_rows=0, kv_pages=0) -> ml_collections.ConfigDict:
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).
 
-  The model configs take `mesh_shape` and `max_rows` (`rollout.max_rows`, rows per
-  generate call) from the compiler's plan for 8 H100s (scripts/aot_plan.py,
+  The model configs take `mesh_shape`, `max_rows` (`rollout.max_rows`, rows per
+  generate call) and `kv_pages` (`rollout.kv_pages`, the KV pool's pages; 0: every row's
+  longest) from the compiler's plan for 8 H100s (scripts/aot_plan.py,
   docs/results/aot_<config>_h100x8.json); docs/aot.md ("Memory plan") gives the flags for
   8 H200s and a TPU v5p-8.
 
@@ -262,6 +263,7 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   c.algo.delayed_start = delayed_start
   c.mesh.shape = mesh_shape
   c.rollout.max_rows = max_rows
+  c.rollout.kv_pages = kv_pages
   if runlocal:
     c.train.batch_questions = 8
     c.rollout.max_new_tokens = 512

@@ -49,7 +49,7 @@ def test_paper_defaults():
 @pytest.mark.parametrize("name", ["qwen7b", "qwen7b_instruct", "qwen1_5b", "llama8b",
                                   "llama8b_instruct"])
 def test_paper_configs_take_the_compilers_plan_for_8_h100s(name):
-  """mesh.shape and rollout.max_rows are the settings scripts/aot_plan.py chose for h100x8
+  """mesh.shape, rollout.max_rows and kv_pages are what scripts/aot_plan.py chose for h100x8
   from the compiler's figures (docs/results/aot_<name>_h100x8.json, docs/aot.md)."""
   path = os.path.join(os.path.dirname(CONFIG_DIR), "docs", "results", f"aot_{name}_h100x8.json")
   with open(path, encoding="utf-8") as f:
@@ -59,6 +59,7 @@ def test_paper_configs_take_the_compilers_plan_for_8_h100s(name):
   assert c.optim.micro_batch_size == plan["chosen"]["micro_batch_size"]
   rows = c.train.batch_questions * c.rollout.k
   assert (c.rollout.max_rows or rows) == plan["chosen"]["max_rows"]
+  assert c.rollout.kv_pages == plan["chosen"].get("kv_pages", 0)
 
 
 def test_unknown_variant_is_an_error():

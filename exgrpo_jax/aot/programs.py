@@ -206,17 +206,18 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   resumes = []
   if at_once < slots:  # a pool that runs out preempts rows and resumes them
     M = decode.length_bucket(L + N - 1, L)  # the longest: a prompt and N - 1 tokens
+    R = min(max(continuous.MAX_RESUMED, table.shards), slots)
     resumes = [
-        Program(prefix + "resume", f"prefill of {A} preempted rows x {M} tokens",
+        Program(prefix + "resume", f"prefill of {R} preempted rows x {M} tokens",
                 slots_lib.resume,
-                lambda out: (pcfg, rest(out), layers(out), i32(A, M),
-                             _struct((A, M), bool, mesh)),
+                lambda out: (pcfg, rest(out), layers(out), i32(R, M),
+                             _struct((R, M), bool, mesh)),
                 calls=0, resident=lambda out: (*learner_state, grown(out))),
-        Program(prefix + "place_resumed", f"{A} resumed rows into slots and pages",
+        Program(prefix + "place_resumed", f"{R} resumed rows into slots and pages",
                 slots_lib.place,
-                lambda out: (grown(out), out[prefix + "resume"], i32(A),
-                             i32(A, -(-M // engine.page_size)),
-                             _struct((A,), _key_dtype(), mesh), i32(A)),
+                lambda out: (grown(out), out[prefix + "resume"], i32(R),
+                             i32(R, -(-M // engine.page_size)),
+                             _struct((R,), _key_dtype(), mesh), i32(R)),
                 calls=0, in_place=True, resident=weights)]
   return [
       copy,

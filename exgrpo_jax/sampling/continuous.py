@@ -60,6 +60,10 @@ from exgrpo_jax.sampling import slots as slots_lib
 # programs to compile, and a refill of one row never pays for a large prefill.
 MAX_ROWS = 16
 MAX_PROMPTS = 4
+# One `resume` call prefills at most MAX_RESUMED preempted rows (or one a batch shard):
+# each may be nearly at its longest, and its prefill and cache sit beside the full pool
+# (16 rows of 10,240 tokens took 10 GiB a chip for Llama-3.1-8B on a v6e-8).
+MAX_RESUMED = 4
 # Stop strings are looked for in the text of a row's new tokens plus this many earlier
 # ones (a hit is then confirmed on the whole text). A longer stop string is still found
 # by `outputs.finalize`; only its slot is not freed early.
@@ -209,7 +213,7 @@ class _Admitter:
     """Places preempted rows `rows` back, into slots `slot_of_row`: each row's prompt and
     the tokens it had emitted run through the model again (`slots.resume`), and it
     goes on from its step count, with its own key."""
-    A = self.rows_per_call
+    A = min(max(MAX_RESUMED, self.table.shards), self.B)
     for first in range(0, len(rows), A):
       part, slots = rows[first:first + A], slot_of_row[first:first + A]
       seqs = [np.concatenate([np.asarray(self.prompt_ids[self.prompt_index_R[r]], np.int32),
