@@ -1,4 +1,6 @@
-"""Rollout estimates at real lengths (exgrpo_jax.aot.lengths) from the committed plans."""
+"""Rollout estimates at real lengths (exgrpo_jax.aot.lengths) from real compiler figures:
+three plans as compiled before admission (tests/data/aot_*_reserved.json: every slot's
+row reserved at its longest), and the committed plans."""
 
 import json
 import os
@@ -11,10 +13,11 @@ from exgrpo_jax.aot import lengths
 from tests import conftest
 
 RESULTS = os.path.join(conftest.REPO_ROOT, "docs", "results")
+RESERVED = os.path.join(conftest.REPO_ROOT, "tests", "data", "aot_{}_reserved.json")
 
 
 def _report(name: str) -> dict:
-  with open(os.path.join(RESULTS, f"aot_{name}.json"), encoding="utf-8") as f:
+  with open(RESERVED.format(name), encoding="utf-8") as f:
     return json.load(f)["report"]
 
 
@@ -96,7 +99,7 @@ def test_recorded_lengths_keep_their_share_of_the_cap(tmp_path):
 
 def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys):
   from scripts import aot_plan  # pylint: disable=g-import-not-at-top
-  aot_plan.main(["--render", os.path.join(RESULTS, "aot_qwen7b_v5e-16.json"), "--estimate",
+  aot_plan.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",
                  "--mean", "3501", "--cap-share", "0.09"])
   out = capsys.readouterr().out.splitlines()
   header = next(l for l in out if l.startswith("| config | target | rows per call | compiled"))
@@ -105,6 +108,6 @@ def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys)
   assert row.split(" | ")[3] == "750"  # the compiled estimate, every row at the cap
   assert re.fullmatch(r"\d+ \(\d+\) @\d+", row.split(" | ")[6])  # seconds (preempted) @slots
   with pytest.raises(SystemExit):
-    aot_plan.main(["--render", os.path.join(RESULTS, "aot_qwen7b_v5e-16.json"), "--estimate",
+    aot_plan.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",
                    "--mean", "9000", "--cap-share", "0.5"])
   assert "a mean of 9000 tokens with 50% at the cap" in capsys.readouterr().err

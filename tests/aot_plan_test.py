@@ -130,7 +130,7 @@ class _PoolPlanner(aot_plan.Planner):
 def test_admission_takes_the_pages_that_fit_and_the_slots_that_cost_least_over_them():
   # qwen7b on v5e-16, compiled with 64 rows reserved at their longest: the memory holds
   # about 67 rows' pages; a made-up compiler fits 9,400 of them.
-  with open(os.path.join(aot_plan.REPO, "docs/results/aot_qwen7b_v5e-16.json")) as f:
+  with open(os.path.join(aot_plan.REPO, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
     reserved = json.load(f)["report"]
   shards, page_bytes = lengths.kv_layout(reserved)
   planner = _PoolPlanner(reserved["programs"][0]["usable_bytes"] / GIB, 9400, page_bytes,
