@@ -1,8 +1,10 @@
-r"""Chooses a paper config's mesh, micro-batch and rollout rows for a target from the
-compiler's figures, and writes the report of the chosen settings (JSON).
+r"""Chooses a paper config's mesh, micro-batch, rollout slots and KV pool for a target
+from the compiler's figures, and writes the report of the chosen settings (JSON).
 
   .aot/gpu/bin/python scripts/aot_plan.py --config=configs/qwen7b.py --target=h100x8 \
       --out=docs/results/aot_qwen7b_h100x8.json
+  .aot/tpu/bin/python scripts/aot_plan.py --config=configs/llama8b.py --target=v6e-8 \
+      --like docs/results/aot_llama8b_v6e-8.json --meshes 4,8 --out=...  # no new search
   python scripts/aot_plan.py --render docs/results/aot_*.json     # docs/aot.md's table
   python scripts/aot_plan.py --render docs/results/aot_qwen7b_*.json --estimate \
       [--lengths RECORD.json | --mean 3501 --cap-share 0.09]      # at real lengths
@@ -17,15 +19,15 @@ query heads divide), all layers compiled (`exgrpo_jax.aot`):
             which is then compiled, stepped down by 64 until it fits, and shown to be the
             largest by the next 64 not fitting; the peaks of those two predict the
             largest multiple of the unit between them, compiled and shown the same way.
-The chosen mesh keeps the config's micro-batch where any can, then has the most rows
-per call, then the least tensor parallelism (the old analytic plan's rule). Its whole
-training step is compiled once more with those settings (`chosen.reserved_rows`: every
-slot's row reserved at its longest). Then admission (`Planner.admission`): the pool's
-capacity (`rollout.kv_pages`) is what the memory holds beside that step's decode, the
-slots (`rollout.max_rows`) those that cost least at the mid length scenario over it
-(`exgrpo_jax.aot.lengths`), compiled, the capacity lowered until every program fits;
-unless the reserved rows cost least. The last compile's report is the output, with
-every candidate's figures under "search". GPU targets read
+Each fitting mesh's whole training step is then compiled with those settings
+(`reserved_rows`: every slot's row reserved at its longest), and admission planned
+(`Planner.admission`): the pool's capacity (`rollout.kv_pages`) is what the memory holds
+beside that step's decode, the slots (`rollout.max_rows`) those that cost least at the
+mid length scenario over it (`exgrpo_jax.aot.lengths`), compiled, the capacity lowered
+until every program fits; unless the reserved rows cost least. The chosen mesh is the one
+whose step costs least with its rollout at the mid lengths (`settled`: each mesh's
+settings and estimate); its last compile's report is the output, with every compile's
+figures under "search". GPU targets read
 XLA_PYTHON_CLIENT_MEM_FRACTION (docs/aot.md runs them at 0.95). `--like` takes another
 config's choice (the instruct models have their base model's shapes), its admission
 too, and compiles it; a plan as its own `--like` redoes its admission without the search.
@@ -188,9 +190,11 @@ def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, mo
   return max(unit, min(most, guess) // unit * unit)
 
 
-def plan(name: str, target: str, like: dict | None = None) -> dict:
+def plan(name: str, target: str, like: dict | None = None,
+         meshes: tuple[int, ...] = ()) -> dict:
   """The search and the chosen settings' report; `like` (another config's plan on the
-  same target, with the same shapes) skips the search and takes its choice."""
+  same target, with the same shapes) skips the search and takes its choice, or its
+  candidates of tensor sizes `meshes` (the mesh is then chosen among them)."""
   planner = Planner(name, target)
   base = importlib.import_module(f"configs.{name}").get_config()
   rows = base.train.batch_questions * base.rollout.k
@@ -207,7 +211,11 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
   result = dict(config=f"configs/{name}.py", target=target, usable_gib=planner.usable,
                 candidates=candidates, search=planner.search,
                 searched_as=like["config"] if like else None)
-  if like and like["fits"]:
+  if like and meshes:
+    fitting = [dict(tensor=c["tensor"], micro_batch_size=c["micro_batch_size"],
+                    max_rows=c["max_rows"]) for c in like["candidates"]
+               if c["tensor"] in meshes and c["micro_batch_size"] and c["max_rows"]]
+  elif like and like["fits"]:
     fitting = [dict(tensor=like["chosen"]["tensor"],
                     micro_batch_size=like["chosen"]["micro_batch_size"],
                     max_rows=like["chosen"].get("reserved_rows", like["chosen"]["max_rows"]))]
@@ -219,9 +227,26 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
         f"{name} does not fit {target} at any mesh or micro-batch; the least: mesh "
         f"{planner.spec.devices // least['tensor']} x {least['tensor']}, micro-batch "
         f"{least['micro_batch_size']}: {least['first_failure']}"))
-  best = max(fitting, key=lambda c: (c["micro_batch_size"] >= base.optim.micro_batch_size,
-                                     c["micro_batch_size"], c["max_rows"], -c["tensor"]))
-  chosen = like["chosen"] if like and like["fits"] else {}
+  chosen = like["chosen"] if like and like["fits"] and not meshes else {}
+  settled = [_settle(planner, c, base, chosen) for c in fitting]
+  final, best = min(settled, key=lambda s: _mid_step_s(s[0], base.rollout.kv_headroom))
+  flags = (f"--config.mesh.shape='({planner.spec.devices // best['tensor']}, "
+           f"{best['tensor']})' --config.rollout.max_rows={best['max_rows']}")
+  if best["kv_pages"]:
+    flags += f" --config.rollout.kv_pages={best['kv_pages']}"
+  if best["micro_batch_size"] != base.optim.micro_batch_size:
+    flags += f" --config.optim.micro_batch_size={best['micro_batch_size']}"
+  return dict(result, fits=final["ok"], chosen=dict(best, flags=flags), report=final,
+              verdict=final["first_failure"] or f"fits: {flags}",
+              settled=[dict(s[1], mid_step_s=_mid_step_s(s[0], base.rollout.kv_headroom))
+                       for s in settled])
+
+
+def _settle(planner, candidate: dict, base, chosen: dict) -> tuple[dict, dict]:
+  """A mesh's whole step compiled at its reserved rows, then with admission
+  (`Planner.admission`), or at `chosen`'s slots and pages (a `--like` plan's):
+  (its report, its settings with `reserved_rows` and `kv_pages`, 0 without admission)."""
+  best = dict(candidate, reserved_rows=candidate["max_rows"], kv_pages=0)
   if chosen.get("kv_pages"):  # the other config's admission, compiled as it is
     final = planner.compile(best["tensor"], best["micro_batch_size"], chosen["max_rows"],
                             ("learner", "rollout"), kv_pages=chosen["kv_pages"])
@@ -230,18 +255,22 @@ def plan(name: str, target: str, like: dict | None = None) -> dict:
     final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
                             ("learner", "rollout"))
     admitted = final["ok"] and planner.admission(best, final, base.rollout.kv_headroom)
-  best = dict(best, reserved_rows=best["max_rows"], kv_pages=0)
   if admitted:
     final, slots, pages = admitted
     best.update(max_rows=slots, kv_pages=pages)
-  flags = (f"--config.mesh.shape='({planner.spec.devices // best['tensor']}, "
-           f"{best['tensor']})' --config.rollout.max_rows={best['max_rows']}")
-  if best["kv_pages"]:
-    flags += f" --config.rollout.kv_pages={best['kv_pages']}"
-  if best["micro_batch_size"] != base.optim.micro_batch_size:
-    flags += f" --config.optim.micro_batch_size={best['micro_batch_size']}"
-  return dict(result, fits=final["ok"], chosen=dict(best, flags=flags), report=final,
-              verdict=final["first_failure"] or f"fits: {flags}")
+  return final, best
+
+
+def _mid_step_s(report: dict, headroom: float) -> float:
+  """A compiled step's roofline seconds with its rollout at the mid length scenario
+  (`lengths.rollout_estimate` at its slots and pages; inf where it does not fit)."""
+  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+  if not report["ok"]:
+    return math.inf
+  b, est = report["batch"], report["step_estimate"]
+  mid = lengths.scenario("mid", b["response_tokens"], b["questions"] * b["k"])
+  return (lengths.rollout_estimate(report, mid, headroom=headroom)["rollout_s"]
+          + est["old_logp_recompute_s"] + est["learner_s"])
 
 
 def pool_bound(report: dict) -> float:
@@ -375,6 +404,8 @@ def main(argv=None) -> None:
   parser.add_argument("--out")
   parser.add_argument("--like", help="a plan JSON of a config with the same shapes on the "
                       "same target: compile its choice instead of searching")
+  parser.add_argument("--meshes", default="", help="with --like: settle these of its "
+                      "candidates (tensor sizes, e.g. 4,8) and choose among them")
   parser.add_argument("--render", nargs="+", help="render these plan JSON files")
   parser.add_argument("--estimate", action="store_true", help="with --render: the "
                       "rollout's seconds at real lengths too (exgrpo_jax.aot.lengths): the "
@@ -404,11 +435,17 @@ def main(argv=None) -> None:
     parser.error(problem)
   like = _read_plan(parser, "--like", args.like) if args.like else None
   try:
+    meshes = tuple(int(t) for t in args.meshes.split(",")) if args.meshes else ()
+  except ValueError:
+    parser.error(f"--meshes {args.meshes}: give tensor sizes, e.g. 4,8")
+  if meshes and not (like and {c["tensor"] for c in like.get("candidates", [])} >= set(meshes)):
+    parser.error(f"--meshes {args.meshes}: needs --like a searched plan with those candidates")
+  try:
     cli.check_writable(args.out)  # before minutes of compiles, not after them
   except OSError as e:
     parser.error(str(e))
   targets.prepare_environment()
-  result = plan(name, args.target, like)
+  result = plan(name, args.target, like, meshes)
   from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
   check.save(result, args.out)
   print(result["verdict"])

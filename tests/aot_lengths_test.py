@@ -111,3 +111,25 @@ def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys)
     aot_plan.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",
                    "--mean", "9000", "--cap-share", "0.5"])
   assert "a mean of 9000 tokens with 50% at the cap" in capsys.readouterr().err
+
+
+def _plan(name: str) -> dict:
+  with open(os.path.join(RESULTS, f"aot_{name}.json"), encoding="utf-8") as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("name, mid_s", [("qwen7b_v5e-16", 160), ("llama8b_v6e-8", 160),
+                                         ("qwen7b_h100x8", 42)])
+def test_the_plans_with_admission_are_never_dearer_than_their_reserved_rows(name, mid_s):
+  """The committed plans compile their slots and pool (`chosen`): at every length
+  scenario and at the cap the rollout costs no more than in the reserved rows' slots,
+  each row's pool at its longest; the issue's targets at the mid lengths."""
+  plan = _plan(name)
+  report, reserved = plan["report"], plan["chosen"]["reserved_rows"]
+  assert report["batch"]["max_rows"] == plan["chosen"]["max_rows"]
+  for label, lengths_R in lengths.distributions(8192, 1024).items():
+    admitting = lengths.rollout_estimate(report, lengths_R, headroom=0.1)
+    today = lengths.rollout_estimate(report, lengths_R, slots=reserved)
+    assert admitting["rollout_s"] <= today["rollout_s"], label
+    if label == "mid":
+      assert admitting["rollout_s"] <= mid_s
