@@ -192,7 +192,7 @@ COMMANDS = [
             "outputs are docs/results/aot_*.json, which configs_test holds the configs to"),
     Command("python scripts/aot_plan.py --render docs/results/aot_*.json",
             run="{python} scripts/aot_plan.py --render docs/results/aot_*.json",
-            expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 832 \|"),
+            expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 1024 \| 137800 \|"),
     Command("python scripts/aot_plan.py --render docs/results/aot_*.json --estimate",
             covered="tests/aot_lengths_test.py::"
             "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
