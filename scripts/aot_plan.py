@@ -145,8 +145,9 @@ class Planner:
   def admission(self, best: dict, reserved: dict, headroom: float):
     """The pool's capacity and the slots over it, from `reserved` (the step compiled at
     `best`'s rows, each with a pool row at its longest): the pages the memory holds
-    (`pool_bound`), the slots that cost least at the mid scenario over them
-    (`lengths.best_slots`), compiled, and the pages lowered by what the costliest
+    (`pool_bound`), the slots that cost least at the mid scenario over them and no more
+    than the reserved rows at the others (`lengths.best_slots`), compiled, and the pages
+    lowered by what the costliest
     program lacked until it fits. Returns (report, slots, pages), or None where the
     reserved rows cost least or nothing fits."""
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
@@ -156,10 +157,12 @@ class Planner:
     per_row = -(-(decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"])
                 // lengths.PAGE)
     pages = int(pool_bound(reserved) * per_row) // shards * shards
-    mid = lengths.scenario("mid", b["response_tokens"], b["questions"] * b["k"])
+    dists = lengths.distributions(b["response_tokens"], b["questions"] * b["k"])
+    mid = dists.pop("mid")
     today = lengths.rollout_estimate(reserved, mid)
     for _ in range(ADMISSION_TRIES):
-      chosen = lengths.best_slots(reserved, mid, headroom, today, capacity=pages)
+      chosen = lengths.best_slots(reserved, mid, headroom, today, capacity=pages,
+                                  also=dists.values())
       if chosen is today or pages < per_row * shards:
         return None
       report = self.compile(best["tensor"], best["micro_batch_size"], chosen["slots"],
@@ -227,7 +230,9 @@ def plan(name: str, target: str, like: dict | None = None,
         f"{name} does not fit {target} at any mesh or micro-batch; the least: mesh "
         f"{planner.spec.devices // least['tensor']} x {least['tensor']}, micro-batch "
         f"{least['micro_batch_size']}: {least['first_failure']}"))
-  chosen = like["chosen"] if like and like["fits"] and not meshes else {}
+  # Another config's admission is taken as it is; a plan's own is planned again.
+  other = like and like["fits"] and not meshes and like["config"] != result["config"]
+  chosen = like["chosen"] if other else {}
   settled = [_settle(planner, c, base, chosen) for c in fitting]
   final, best = min(settled, key=lambda s: _mid_step_s(s[0], base.rollout.kv_headroom))
   flags = (f"--config.mesh.shape='({planner.spec.devices // best['tensor']}, "

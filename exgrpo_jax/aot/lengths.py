@@ -197,20 +197,25 @@ def distributions(cap: int, rows: int, path: str | None = None,
 
 
 def best_slots(report: dict, lengths_R, headroom: float, today: dict | None = None,
-               choices: int = 4, capacity: int | None = None) -> dict:
+               choices: int = 4, capacity: int | None = None, also=()) -> dict:
   """`rollout_estimate` with admission at the slot count that costs least: today's (its
   pool, nothing preempted; `today`, where already estimated) or `choices` more, evenly
   spaced up to every row in a slot (multiples of 64), each over a pool of `capacity`
-  pages (default: today's) with `headroom` kept free. Ties go to fewer slots. Only the
-  plan's own slots are compiled: the others' estimates assume they fit."""
+  pages (default: today's) with `headroom` kept free, and no dearer than today's at
+  any length distribution of `also` either. Ties go to fewer slots. Only the plan's own
+  slots are compiled: the others' estimates assume they fit."""
   today = today or rollout_estimate(report, lengths_R)
   rows, slots = len(lengths_R), today["slots"]
   more = {min(rows, -(-(slots + (rows - slots) * k // choices) // 64) * 64)
           for k in range(1, choices + 1)}
   capacity = capacity or today["capacity_pages"]
-  estimates = [today] + [rollout_estimate(report, lengths_R, slots=n, capacity=capacity,
-                                          headroom=headroom)
-                         for n in sorted(more) if n > slots]
+  also = [(d, rollout_estimate(report, d)["rollout_s"]) for d in also]
+  estimates = [today] + [
+      e for n in sorted(more) if n > slots
+      if (e := rollout_estimate(report, lengths_R, slots=n, capacity=capacity,
+                                headroom=headroom))
+      and all(rollout_estimate(report, d, slots=n, capacity=capacity,
+                               headroom=headroom)["rollout_s"] <= s for d, s in also)]
   return min(estimates, key=lambda e: (round(e["rollout_s"], 6), e["slots"]))
 
 
