@@ -71,9 +71,9 @@ def _peaks(report: dict) -> dict:
           for p in report["programs"]}
 
 
-def _need(search_entry: dict) -> float:
+def _need(failure: str) -> float:
   """The GiB per device a failed compile asked for (inf where its error does not say)."""
-  need = re.search(r"([\d.]+) GiB (?:needed|per device)", search_entry["first_failure"])
+  need = re.search(r"([\d.]+) GiB (?:needed|per device)", failure)
   return float(need[1]) if need else math.inf
 
 
@@ -147,15 +147,12 @@ class Planner:
     `best`'s rows, each with a pool row at its longest): the pages the memory holds
     (`pool_bound`), the slots that cost least at the mid scenario over them and no more
     than the reserved rows at the others (`lengths.best_slots`), compiled, and the pages
-    lowered by what the costliest
-    program lacked until it fits. Returns (report, slots, pages), or None where the
+    lowered by what the costliest program lacked until it fits. Returns (report, slots, pages), or None where the
     reserved rows cost least or nothing fits."""
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
-    from exgrpo_jax.sampling import decode  # pylint: disable=g-import-not-at-top
     b = reserved["batch"]
     shards, page_bytes = lengths.kv_layout(reserved)
-    per_row = -(-(decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"])
-                // lengths.PAGE)
+    per_row = lengths.row_pages(reserved)
     pages = int(pool_bound(reserved) * per_row) // shards * shards
     dists = lengths.distributions(b["response_tokens"], b["questions"] * b["k"])
     mid = dists.pop("mid")
@@ -170,7 +167,7 @@ class Planner:
       if report["ok"]:
         return report, chosen["slots"], pages
       over = max((p["device_peak_bytes"] - p["usable_bytes"] if not p["error"]
-                  else (_need(dict(first_failure=p["error"])) - self.usable) * GIB)
+                  else (_need(p["error"]) - self.usable) * GIB)
                  for p in report["programs"])
       per_shard = pages // shards
       lower = math.ceil(max(over, 0) / page_bytes) + 1 if math.isfinite(over) else per_shard // 10
@@ -225,7 +222,8 @@ def plan(name: str, target: str, like: dict | None = None,
   if not fitting:
     if like:
       return dict(result, fits=False, verdict=f"{name}, as {like['config']}: {like['verdict']}")
-    least = min((s for s in planner.search if s["first_failure"]), key=_need)
+    least = min((s for s in planner.search if s["first_failure"]),
+                key=lambda s: _need(s["first_failure"]))
     return dict(result, fits=False, verdict=(
         f"{name} does not fit {target} at any mesh or micro-batch; the least: mesh "
         f"{planner.spec.devices // least['tensor']} x {least['tensor']}, micro-batch "
@@ -234,7 +232,8 @@ def plan(name: str, target: str, like: dict | None = None,
   other = like and like["fits"] and not meshes and like["config"] != result["config"]
   chosen = like["chosen"] if other else {}
   settled = [_settle(planner, c, base, chosen) for c in fitting]
-  final, best = min(settled, key=lambda s: _mid_step_s(s[0], base.rollout.kv_headroom))
+  mid_s = [_mid_step_s(report, base.rollout.kv_headroom) for report, _ in settled]
+  final, best = settled[mid_s.index(min(mid_s))]
   flags = (f"--config.mesh.shape='({planner.spec.devices // best['tensor']}, "
            f"{best['tensor']})' --config.rollout.max_rows={best['max_rows']}")
   if best["kv_pages"]:
@@ -243,8 +242,7 @@ def plan(name: str, target: str, like: dict | None = None,
     flags += f" --config.optim.micro_batch_size={best['micro_batch_size']}"
   return dict(result, fits=final["ok"], chosen=dict(best, flags=flags), report=final,
               verdict=final["first_failure"] or f"fits: {flags}",
-              settled=[dict(s[1], mid_step_s=_mid_step_s(s[0], base.rollout.kv_headroom))
-                       for s in settled])
+              settled=[dict(s, mid_step_s=m) for (_, s), m in zip(settled, mid_s)])
 
 
 def _settle(planner, candidate: dict, base, chosen: dict) -> tuple[dict, dict]:
@@ -284,11 +282,9 @@ def pool_bound(report: dict) -> float:
   the rollout's weights, the decode's temporaries), over a full-length row's KV bytes
   per device (`lengths.kv_layout`: whole pages, rows split by the batch axes)."""
   from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.sampling import decode  # pylint: disable=g-import-not-at-top
   b = report["batch"]
   shards, page_bytes = lengths.kv_layout(report)
-  length = decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]
-  per_row = -(-length // lengths.PAGE)
+  per_row = lengths.row_pages(report)
   row_bytes = per_row * page_bytes / shards
   decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
   pool_pages = b.get("kv_pages") or b["max_rows"] * per_row  # as compiled

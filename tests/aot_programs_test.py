@@ -23,6 +23,7 @@ from exgrpo_jax.aot import analysis
 from exgrpo_jax.aot import check
 from exgrpo_jax.aot import programs as programs_lib
 from exgrpo_jax.aot import targets
+from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import jax_engine
 from exgrpo_jax.training import actor as actor_lib
 from exgrpo_jax.training import groups as groups_lib
@@ -80,7 +81,7 @@ def test_decode_chunk_counts_everything_the_rollout_keeps_and_the_layers_once(
   the prepared ones too), the prepared layers and the pool; nothing more."""
   _, outputs, results = aot_compiled
   learner_state = (outputs["learner_step"][0], outputs["learner_step"][1])
-  rest = {k: v for k, v in outputs["rollout_copy"].items() if k != "layers"}
+  rest = continuous.without_layers(outputs["rollout_copy"])
   held = (*learner_state, rest, outputs["prepare_layers"], outputs["repage_layer"])
   pool_layers = CFG.num_layers  # the pool's largest size: every layer as repage_layer's
   held_bytes = (analysis.shard_bytes(held[:-1])

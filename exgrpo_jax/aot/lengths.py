@@ -14,8 +14,8 @@ live rows' pages by the TPU kernel; updated in place, so not moved whole per cal
 `analysis.call_bytes`, except in reports from before that rule); its FLOPs in
 proportion to the chunk's slots and steps. Placing rows (`place`) is priced likewise, a
 preempted row's resume by the prefill's cost per token (`admit`), a pool resize by
-`repage_layer` per layer. What does not depend on the lengths (the parameters' copy, `empty`, `admit`'s
-prompts) is taken as compiled. Estimates, not measurements: the simulation's slots and
+`repage_layer` per layer. What does not depend on the lengths (the parameters' copy,
+`empty`, `admit`'s prompts) is taken as compiled. Estimates, not measurements: the simulation's slots and
 pool beyond what was compiled assume the decode program still fits (the planner checks
 that by compiling).
 """
@@ -109,6 +109,12 @@ def kv_layout(report: dict) -> tuple[int, float]:
           PAGE * 2 * kv_heads * (m["hidden"] // m["heads"]) * dtype_bytes * m["layers"])
 
 
+def row_pages(report: dict) -> int:
+  """The pages of one row at its longest: the bucketed prompt and every response token."""
+  b = report["batch"]
+  return -(-(decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]) // PAGE)
+
+
 def prices(report: dict) -> Prices:
   """A plan report's programs as `Prices` (its `report` key, `check.report`'s JSON)."""
   m, b = report["model"], report["batch"]
@@ -122,7 +128,7 @@ def prices(report: dict) -> Prices:
   kernel = "tpu_custom_call" in decode_p["custom_calls"]
   L = decode.length_bucket(b["prompt_tokens"], 16)
   N = b["response_tokens"]
-  per_row = -(-(L + N) // PAGE)
+  per_row = row_pages(report)
   share = (L + N / 2) / (per_row * PAGE) if kernel else 1.0  # as `programs` compiled it
   streamed = (decode_p["hbm_bytes_per_call"] - analysis.call_bytes(decode_p)) / steps
   pool_moves = 0 if decode_p.get("in_place") else 2

@@ -153,7 +153,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   params = lambda out: out["rollout_copy"]  # evaluation shares the rollout's copy
   # Continuous batching's weights (`continuous.weights`): the copy's stacked layers are
   # freed once prepared, so its programs read these.
-  rest = lambda out: {k: v for k, v in params(out).items() if k != "layers"}
+  rest = lambda out: continuous.without_layers(params(out))
   layers = lambda out: out[prefix + "prepare_layers"]
   # What stays on the devices beside a rollout program's own arguments.
   weights = lambda out: (*learner_state, rest(out), layers(out))
@@ -206,7 +206,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   resumes = []
   if at_once < slots:  # a pool that runs out preempts rows and resumes them
     M = decode.length_bucket(L + N - 1, L)  # the longest: a prompt and N - 1 tokens
-    R = min(max(continuous.MAX_RESUMED, table.shards), slots)
+    R = continuous.resume_rows(slots, table.shards)
     resumes = [
         Program(prefix + "resume", f"prefill of {R} preempted rows x {M} tokens",
                 slots_lib.resume,

@@ -75,7 +75,17 @@ def weights(engine, params) -> tuple[dict, list]:
   the page pool, not two: a caller that keeps no other reference to `params` frees their
   stacked layers before the pool is allocated."""
   layers = engine.compiled(slots_lib.prepare_layers, (params,), {})(params)
-  return {k: v for k, v in params.items() if k != "layers"}, layers
+  return without_layers(params), layers
+
+
+def without_layers(params: dict) -> dict:
+  """`params` but their stacked layers (`weights`)."""
+  return {k: v for k, v in params.items() if k != "layers"}
+
+
+def resume_rows(slots: int, shards: int) -> int:
+  """The rows one `resume` call prefills (MAX_RESUMED, or one a batch shard)."""
+  return min(max(MAX_RESUMED, shards), slots)
 
 
 def generate(engine, prompt_ids, prompt_index_R, rows_R, weights_, key, sampling,
@@ -213,7 +223,7 @@ class _Admitter:
     """Places preempted rows `rows` back, into slots `slot_of_row`: each row's prompt and
     the tokens it had emitted run through the model again (`slots.resume`), and it
     goes on from its step count, with its own key."""
-    A = min(max(MAX_RESUMED, self.table.shards), self.B)
+    A = resume_rows(self.B, self.table.shards)
     for first in range(0, len(rows), A):
       part, slots = rows[first:first + A], slot_of_row[first:first + A]
       seqs = [np.concatenate([np.asarray(self.prompt_ids[self.prompt_index_R[r]], np.int32),
