@@ -9,14 +9,14 @@ every response at `rollout.max_new_tokens`, the whole batch fresh):
   score           `learner.score_responses`' program: one batch of rows through the
                   forward pass (the old-log-prob recompute and trajectory selection)
   rollout_copy    the sampler's resharded, compute-dtype copy of the parameters
+  prepare_layers  the per-layer decode weights every rollout program reads
   generate        the static decode loop (`decode.generate`), where the engine uses it;
                   otherwise continuous batching's programs (`sampling.slots`):
-  prepare_layers, empty (the page pool at its first size), repage_layer (one layer of
-  it grown to its largest, where it has several sizes: not the TPU kernel's), admit
-  (prefill of the most prompts one call takes), place, resume and place_resumed (a
-  preempted row's prefill at its longest, where `rollout.kv_pages` caps the pool below
-  every slot's row at its longest), select, decode_chunk (over the largest pool),
-  release
+  empty (the page pool at its first size), repage_layer (one layer of it grown to its
+  largest, where it has several sizes: not the TPU kernel's), admit (prefill of the most
+  prompts one call takes), place, resume and place_resumed (a preempted row's prefill at
+  its longest, where `rollout.kv_pages` caps the pool below every slot's row at its
+  longest), select, decode_chunk (over the largest pool), release
 
 Evaluation runs the rollout's programs with the eval settings; those that differ from
 the rollout's are listed again as `eval_*`. The calls are the real jitted functions:
@@ -157,6 +157,9 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
   layers = lambda out: out[prefix + "prepare_layers"]
   # What stays on the devices beside a rollout program's own arguments.
   weights = lambda out: (*learner_state, rest(out), layers(out))
+  prepare = Program(prefix + "prepare_layers", "per-layer decode weights",
+                    slots_lib.prepare_layers, lambda out: (pcfg, params(out)),
+                    resident=lambda _: learner_state)
   slots = engine.continuous_slots(rows, N, mesh)
   if not slots:
     per_call = min(rows, engine.max_rows or rows)
@@ -167,10 +170,10 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
                              jax.ShapeDtypeStruct((B,), bool),
                              jax.ShapeDtypeStruct((B,), _key_dtype())), mesh)
     phases = engine.phases(sampling_cfg)
-    return [copy, Program(
+    return [copy, prepare, Program(
         prefix + "generate", f"prefill and decode {B} rows (static loop)", decode.generate,
-        lambda out: (pcfg, params(out), *batch, *scalars), dict(options, phases=phases),
-        calls=-(-rows // per_call), steps=N, streamed=(1,),
+        lambda out: (pcfg, rest(out), layers(out), *batch, *scalars),
+        dict(options, phases=phases), calls=-(-rows // per_call), steps=N, streamed=(1, 2),
         resident=lambda _: learner_state)]
   kernel = paged_kernel.wanted(pcfg, mesh, slots)
   table = pages.PageTable(slots, engine.page_size, L, N, sharding.batch_shards(mesh),
@@ -221,8 +224,7 @@ def rollout_programs(engine, cfg, mesh, learner_state, sampling_cfg, rows: int,
                 calls=0, in_place=True, resident=weights)]
   return [
       copy,
-      Program(prefix + "prepare_layers", "per-layer decode weights", slots_lib.prepare_layers,
-              lambda out: (pcfg, params(out)), resident=lambda _: learner_state),
+      prepare,
       Program(prefix + "empty", f"{slots} slots and the page pool at its first size "
               f"({table.pages} pages of {engine.page_size})", slots_lib.empty,
               lambda out: (pcfg, rest(out), _struct((), _key_dtype(), mesh)),

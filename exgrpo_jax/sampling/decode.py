@@ -9,7 +9,8 @@ prompt length, so a training run compiles a handful of programs; the parameters 
 ordinary argument, so new weights never cause a recompile.
 
 The decode step runs the model's layers, unrolled, on per-layer weights (cut, cast and
-rearranged once per call: `decode_layer`) and per-layer caches, instead of the layer scan
+rearranged once per call by their own program, `prepare_layers`: `decode_layer`) and
+per-layer caches, instead of the layer scan
 `models.apply` uses: inside a scan XLA copies every layer's weights and cache out of the
 stacked arrays and rebuilds the whole stacked cache on every step (for SmolLM2 at batch
 64 on CPU that made a step take ~4x its matmul time), while here each layer's cache is
@@ -153,14 +154,17 @@ def _pad_slots(caches, valid_BxS, slots: int):
 
 @functools.partial(jax.jit, static_argnames=(
     "cfg", "max_new_tokens", "top_k", "use_top_p", "return_entropy", "phases"))
-def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, temperature,
-             top_p, greedy, eos_ids_E, *, max_new_tokens: int, top_k: int, use_top_p: bool,
-             return_entropy: bool, phases: int = 1):
+def generate(cfg, params, layers, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B,
+             temperature, top_p, greedy, eos_ids_E, *, max_new_tokens: int, top_k: int,
+             use_top_p: bool, return_entropy: bool, phases: int = 1):
   """Samples up to `max_new_tokens` tokens for every row.
 
   Args:
     cfg: the (static, hashable) ModelConfig.
-    params: model parameters.
+    params: model parameters; their stacked layers are not read.
+    layers: every layer's weights in the decode step's form (`prepare_layers`, run as a
+      program of its own: inside this one its 2/3 of the weights were one more
+      temporary, which on CPU meant fresh pages to fault in on every call).
     prompt_PxL, valid_PxL: P left-padded prompts of bucketed length L and their mask.
     row_prompt_B: int32, which prompt each of the B rows continues.
     live_B: bool, False on padding rows (they stop at once and emit nothing).
@@ -180,14 +184,10 @@ def generate(cfg, params, prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B, t
   """
   B, N = row_prompt_B.shape[0], max_new_tokens
   L = prompt_PxL.shape[1]
-  logits_PxV, cache = prefill(cfg, params, prompt_PxL, valid_PxL)
+  logits_PxV, cache = prefill(cfg, params, prompt_PxL, valid_PxL, layers)
   logits_BxV = jnp.take(logits_PxV, row_prompt_B, axis=0)
   caches = _split_rows(cache, row_prompt_B)
   valid_BxS = jnp.take(cache.valid_BxS, row_prompt_B, axis=0)
-  # The barrier keeps the per-layer weights outside the loop; without it XLA sinks their
-  # slicing and rearranging into the loop body and copies every weight matrix on every
-  # step.
-  layers = jax.lax.optimization_barrier(prepare_layers(cfg, params))
   choose = functools.partial(categorical.choose_tokens, top_k=top_k, use_top_p=use_top_p,
                              return_entropy=return_entropy)
 

@@ -1,14 +1,15 @@
 """The decode loop's decoder layer: the model's layer on one token per row, weights prepared.
 
-`prepare` casts one layer's weights to the compute dtype once per `generate` call,
-stacks gate/up into one [D, 2, F] matrix (one matmul instead of two) and flattens
-o_proj to [H*Dh, D]; `step` runs the layer with the model's own RMSNorm, RoPE and
-attention (`transformer`), so it computes what `transformer.DecoderLayer` computes. The
-flat o_proj is what makes this faster than the model's layer: with its [H, Dh, D]
+`prepare` casts one layer's weights to the compute dtype once per `generate` call and
+flattens o_proj to [H*Dh, D]; `step` runs the layer with the model's own RMSNorm, RoPE
+and attention (`transformer`), so it computes what `transformer.DecoderLayer` computes.
+The flat o_proj is what makes this faster than the model's layer: with its [H, Dh, D]
 weight, XLA:CPU transposed that weight on every decode step (~2% of a SmolLM2 step at
 batch 64). q/k/v stay separate matmuls (one [D, (H+2K)*Dh] matmul was no faster on CPU),
-and gate/up are stacked on a new axis rather than concatenated, so that under tensor
-parallelism each device's part of the product lines up with its shard of F.
+and so do gate and up: stacked into one [D, 2, F] matrix they cost a copy of 2/3 of the
+weights per call and made a SmolLM2 step at batch 8 about 5% slower on CPU
+(`scripts/bench_sampler.py`), and the model's own layer, which the continuous engine
+prefills with on these arrays (`unprepare`), took them apart again with strided copies.
 
 The new key/value goes to one cache slot shared by every row (the static loop: an
 in-place `dynamic_update_slice`, then attention over the whole [B, S] cache), or, in
@@ -45,21 +46,20 @@ def prepare(cfg, layer_params):
       prepared, input_norm=layer_params["input_norm"],
       post_attn_norm=layer_params["post_attn_norm"],
       o_ExD=attn["o_proj"].reshape(H * Dh, D).astype(dt),
-      gate_up_Dx2xF=jnp.stack([mlp["gate_proj"], mlp["up_proj"]], axis=1).astype(dt),
+      gate_DxF=mlp["gate_proj"].astype(dt), up_DxF=mlp["up_proj"].astype(dt),
       down_FxD=mlp["down_proj"].astype(dt))
 
 
 def unprepare(cfg, w):
   """`prepare`'s output in the model's layer form (`transformer.DecoderLayer`'s
-  parameters), views of the prepared arrays but for gate/up, one layer at a time: the
-  continuous engine keeps only the prepared weights and prefills with them
-  (`decode.prefill`)."""
+  parameters), views of the prepared arrays: the engine keeps only the prepared weights
+  and prefills with them (`decode.prefill`)."""
   names = ("q_proj", "k_proj", "v_proj")
   attn = {n: w[n] for n in names}
   if cfg.attention_bias:
     attn.update({n + "_bias": w[n + "_bias"] for n in names})
   attn["o_proj"] = w["o_ExD"].reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
-  mlp = dict(gate_proj=w["gate_up_Dx2xF"][:, 0], up_proj=w["gate_up_Dx2xF"][:, 1],
+  mlp = dict(gate_proj=w["gate_DxF"], up_proj=w["up_DxF"],
              down_proj=w["down_FxD"])
   return dict(input_norm=w["input_norm"], post_attn_norm=w["post_attn_norm"], attn=attn,
               mlp=mlp)
@@ -104,9 +104,9 @@ def step(cfg, w, x_BxD, cache_kv, positions_Bx1, mask_Bx1xS):
       transformer.apply_rope(project("k_proj"), positions_Bx1, inv_freq), project("v_proj"),
       mask_Bx1xS, cache_kv)
   x_BxD = x_BxD + jnp.einsum("be,ed->bd", out_Bx1xHxDh.reshape(B, -1), w["o_ExD"])
-  gate_up_Bx2xF = jnp.einsum("bd,dcf->bcf", norm(w["post_attn_norm"], x_BxD),
-                             w["gate_up_Dx2xF"])
-  h_BxF = jax.nn.silu(gate_up_Bx2xF[:, 0]) * gate_up_Bx2xF[:, 1]
+  y_BxD = norm(w["post_attn_norm"], x_BxD)
+  h_BxF = (jax.nn.silu(jnp.einsum("bd,df->bf", y_BxD, w["gate_DxF"]))
+           * jnp.einsum("bd,df->bf", y_BxD, w["up_DxF"]))
   return x_BxD + jnp.einsum("bf,fd->bd", h_BxF, w["down_FxD"]), new_kv
 
 

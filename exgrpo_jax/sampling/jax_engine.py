@@ -51,7 +51,8 @@ SCHEDULERS = ("continuous", "static")
 # (docs/sampler_performance.md measures where it starts to pay).
 CONTINUOUS_FROM = 512
 
-# (program, model config, argument shapes, static options) -> compiled program.
+# (program, model config, argument shapes, static options) -> (compiled program, its
+# memory analysis: read once, as it costs ~40 ms on CPU, a decode chunk's tenth).
 _COMPILED = {}
 
 
@@ -160,16 +161,15 @@ class JaxEngine:
     start = time.perf_counter()
     slots = self.continuous_slots(prompt_index_N.size, sampling.max_new_tokens,
                                   sharding.mesh_of(params))
+    # No name holds the rollout copy: its stacked layers go once they are prepared.
+    weights = continuous.weights(self, self._rollout_params(params))
     if slots:
-      # No name holds the rollout copy: its stacked layers go once they are prepared.
-      weights = continuous.weights(self, self._rollout_params(params))
       parts = [continuous.generate(
           self, prompt_ids, prompt_index_N, np.arange(prompt_index_N.size), weights, key,
           sampling, self._prompt_bucket(prompt_ids, prompt_index_N), slots, self.page_size,
           self.kv_pages, self.kv_headroom)]
     else:
-      params = self._rollout_params(params)
-      parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, params, key,
+      parts = [self._generate_rows(prompt_ids, prompt_index_N[rows], rows, weights, key,
                                    sampling) for rows in self._split(counts)]
     raw = {k: (None if parts[0][k] is None else np.concatenate([p[k] for p in parts]))
            for k in parts[0]}
@@ -226,8 +226,9 @@ class JaxEngine:
     chunks.append(np.arange(first, ends[-1]))
     return [c for c in chunks if c.size]
 
-  def _generate_rows(self, prompt_ids, prompt_index_R, rows_R, params, key, sampling):
-    """Runs one bucketed call for rows `rows_R` (global row ids) of prompts `prompt_index_R`."""
+  def _generate_rows(self, prompt_ids, prompt_index_R, rows_R, weights, key, sampling):
+    """Runs one bucketed call for rows `rows_R` (global row ids) of prompts `prompt_index_R`,
+    with the model's `weights` (`continuous.weights`)."""
     prompts, row_prompt_R = np.unique(prompt_index_R, return_inverse=True)
     R, P = len(rows_R), len(prompts)
     B, Pb = decode.bucket(R), decode.bucket(P)
@@ -246,11 +247,11 @@ class JaxEngine:
     rows = (prompt_PxL, valid_PxL, row_prompt_B, live_B, keys_B)
     scalars = (np.float32(sampling.temperature), np.float32(sampling.top_p),
                np.bool_(sampling.is_greedy), np.asarray(self.eos_ids, np.int32))
-    mesh = sharding.mesh_of(params)
+    mesh = sharding.mesh_of(weights)
     if mesh is not None:
       rows = sharding.put_batch(rows, mesh)
       scalars = jax.device_put(scalars, sharding.replicated(mesh))
-    args = (params, *rows, *scalars)
+    args = (*weights, *rows, *scalars)
     static = dict(sampling.program_options(), phases=self.phases(sampling))
     result = sharding.to_host(self.compiled(decode.generate, args, static)(*args))
     steps, N = int(result["lengths_B"].max()), sampling.max_new_tokens
@@ -284,11 +285,14 @@ class JaxEngine:
       start = time.perf_counter()
       cfg = (self.program_cfg,) if takes_cfg else ()
       with sharding.use_mesh(sharding.mesh_of(args)):
-        _COMPILED[signature] = program.lower(*cfg, *args, **static).compile()
+        program = program.lower(*cfg, *args, **static).compile()
+      memory = program.memory_analysis()
+      _COMPILED[signature] = program, (None if memory is None else {
+          k: getattr(memory, k + "_size_in_bytes")
+          for k in ("argument", "output", "temp", "generated_code")})
       self.stats["compiles"] += 1
       self.stats["compile_s"] += time.perf_counter() - start
-    memory = _COMPILED[signature].memory_analysis()
+    program, memory = _COMPILED[signature]
     if memory is not None:
-      self.stats["memory"] = {k: getattr(memory, k + "_size_in_bytes") for k in
-                              ("argument", "output", "temp", "generated_code")}
-    return _COMPILED[signature]
+      self.stats["memory"] = dict(memory)
+    return program
