@@ -51,12 +51,12 @@ left idle until the end of a chunk, and the load average around every call.
 
 With --vllm (the default on a GPU) the vLLM engine runs too, started once in this
 process (its worker lives here; `--vllm-dtype` sets its compute dtype, the model's by
-default), timed the same way on the same prompts after our sampler at each batch size:
-`ratio_vs_vllm` is ours over vLLM's tokens/s, and its start-up time is reported. On an
+default), on the same prompts after our sampler at each batch size, its calls taking
+turns with ours (`ours_paired_tokens_per_s`): `ratio_vs_vllm` is the median of the
+per-pair ratios of ours over vLLM's tokens/s, and its start-up time is reported. On an
 NVIDIA GPU the transformers model runs on CUDA and the bandwidth bound uses the GPU's
-published bandwidth. Other work on the machine skews
-every number (the JSON records the load average before and after): run it on a quiet
-machine.
+published bandwidth. Other work on the machine skews every number (the JSON records the
+load average before and after): run it on a quiet machine.
 """
 
 import argparse
@@ -113,12 +113,13 @@ def median_time(fn, repeats):
   return statistics.median(times)
 
 
-def bench_ours(cfg, params, tokenizer, prompts, new_tokens, repeats, **engine_options):
-  """End-to-end and decode-only tokens/s of the JAX engine, compile time, memory.
-  `engine_options` go to the engine (default: the static loop, at any length: rows that
-  all run to new_tokens leave no tail to shrink)."""
-  engine = sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True,
-                                **({"scheduler": "static"} | engine_options))
+def bench_ours(cfg, params, tokenizer, prompts, new_tokens, repeats, engine=None,
+               **engine_options):
+  """End-to-end and decode-only tokens/s of the JAX engine (`engine`, or one made with
+  `engine_options`; default: the static loop, at any length: rows that all run to
+  new_tokens leave no tail to shrink), compile time, memory."""
+  engine = engine or sampling.make_engine("jax", cfg, tokenizer, ignore_eos=True,
+                                          **({"scheduler": "static"} | engine_options))
   short = max(new_tokens // 4, 1)
   times = {}
   for n in (new_tokens, short):
@@ -247,13 +248,21 @@ def start_vllm(cfg, tokenizer, dtype, max_batch, new_tokens):
   return engine, time.perf_counter() - start
 
 
-def bench_vllm(engine, params, prompts, new_tokens, repeats):
-  """tokens/s of the vLLM engine."""
+def bench_vllm(engine, ours, params, prompts, new_tokens, repeats):
+  """tokens/s of the vLLM engine, its calls taking turns with those of ours (the JAX
+  engine `ours`, already compiled for these prompts): the machine's drift, which moved
+  vLLM's batch-8 speed by 20% between runs on a 2-core VM, then hits both alike.
+  `ratio` is the median of the per-pair ratios ours / vLLM."""
   config = sampling.SamplingConfig(max_new_tokens=new_tokens)
-  run = lambda: engine.generate(prompts, 1, params, jax.random.key(0), config)
-  run()
-  seconds = median_time(run, repeats)
-  return dict(tokens_per_s=len(prompts) * new_tokens / seconds, seconds=seconds)
+  runs = [lambda e=e: e.generate(prompts, 1, params, jax.random.key(0), config)
+          for e in (ours, engine)]
+  runs[1]()  # warm-up
+  pairs = [[median_time(run, 1) for run in runs] for _ in range(repeats)]
+  tokens = len(prompts) * new_tokens
+  ours_s, vllm_s = (statistics.median(t) for t in zip(*pairs))
+  return dict(tokens_per_s=tokens / vllm_s, seconds=vllm_s,
+              ours_paired_tokens_per_s=tokens / ours_s,
+              ratio=statistics.median(v / o for o, v in pairs))
 
 
 def roofline(cfg, batch, context, bandwidth_gbs, repeats):
@@ -404,8 +413,10 @@ def main(argv=None):
       log(json.dumps(run))
       continue
     log(f"batch {batch}: ours")
+    ours = sampling.make_engine("jax", policy.config, tokenizer, ignore_eos=True,
+                                scheduler="static")
     run["ours"] = bench_ours(policy.config, policy.params, tokenizer, prompts,
-                             args.new_tokens, args.repeats)
+                             args.new_tokens, args.repeats, engine=ours)
     if not compare:
       run["transformers"] = dict(skipped="--skip-transformers" if args.skip_transformers
                                  else "PyTorch is not installed")
@@ -416,10 +427,10 @@ def main(argv=None):
       run["ratio_vs_transformers"] = (run["ours"]["tokens_per_s"]
                                       / run["transformers"]["tokens_per_s"])
     if vllm_engine is not None:
-      log(f"batch {batch}: vllm")
-      run["vllm"] = bench_vllm(vllm_engine, policy.params, prompts, args.new_tokens,
+      log(f"batch {batch}: vllm, its calls taking turns with ours")
+      run["vllm"] = bench_vllm(vllm_engine, ours, policy.params, prompts, args.new_tokens,
                                args.repeats)
-      run["ratio_vs_vllm"] = run["ours"]["tokens_per_s"] / run["vllm"]["tokens_per_s"]
+      run["ratio_vs_vllm"] = run["vllm"].pop("ratio")
     context = run["mean_prompt_tokens"] + args.new_tokens / 2
     run["roofline"] = roofline(policy.config, batch, context,
                                bandwidths["bound_bandwidth_gb_per_s"], args.repeats)

@@ -194,8 +194,9 @@ def generate(cfg, params, layers, prompt_PxL, valid_PxL, row_prompt_B, live_B, k
   def cond(end):
     return lambda state: (state[0] < end) & ~jnp.all(state[4])
 
-  def body(state):
-    t, caches, valid_BxS, logits_BxV, done_B, lengths_B, tokens_BxN, logp_BxN, ent_BxN = state
+  def emit(state, logits_BxV):
+    """Chooses and records every row's step-t token from `logits_BxV`."""
+    t, caches, valid_BxS, _, done_B, lengths_B, tokens_BxN, logp_BxN, ent_BxN = state
     step_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, t)
     token_B, logp_B, ent_B = choose(logits_BxV, step_keys_B, temperature, top_p, greedy)
     active_B = ~done_B
@@ -208,14 +209,19 @@ def generate(cfg, params, layers, prompt_PxL, valid_PxL, row_prompt_B, live_B, k
           ent_BxN, jnp.where(active_B, ent_B, 0.0)[:, None], t, 1)
     lengths_B = jnp.where(active_B, t + 1, lengths_B)
     done_B = done_B | jnp.isin(token_B, eos_ids_E)
-    logits_BxV, caches, valid_BxS = _decode_step(cfg, params, layers, caches,
-                                                 valid_BxS, L + t, token_B)
-    return (t + 1, caches, valid_BxS, logits_BxV, done_B, lengths_B, tokens_BxN, logp_BxN,
+    return (t + 1, caches, valid_BxS, token_B, done_B, lengths_B, tokens_BxN, logp_BxN,
             ent_BxN)
 
-  state = (jnp.int32(0), caches, valid_BxS, logits_BxV, ~live_B, jnp.zeros((B,), jnp.int32),
-           jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32),
-           jnp.zeros((B, N), jnp.float32) if return_entropy else None)
+  def body(state):
+    # The previous token's step first: none runs after the last token is chosen.
+    t, caches, valid_BxS, token_B, *rest = state
+    logits_BxV, caches, valid_BxS = _decode_step(cfg, params, layers, caches, valid_BxS,
+                                                 L + t - 1, token_B)
+    return emit((t, caches, valid_BxS, token_B, *rest), logits_BxV)
+
+  state = emit((jnp.int32(0), caches, valid_BxS, None, ~live_B, jnp.zeros((B,), jnp.int32),
+                jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32),
+                jnp.zeros((B, N), jnp.float32) if return_entropy else None), logits_BxV)
   start = 0
   for end in phase_ends(N, phases):
     t, caches, valid_BxS, *rest = state
