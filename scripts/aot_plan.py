@@ -147,8 +147,8 @@ class Planner:
     `best`'s rows, each with a pool row at its longest): the pages the memory holds
     (`pool_bound`), the slots that cost least at the mid scenario over them and no more
     than the reserved rows at the others (`lengths.best_slots`), compiled, and the pages
-    lowered by what the costliest program lacked until it fits. Returns (report, slots, pages), or None where the
-    reserved rows cost least or nothing fits."""
+    lowered by what the costliest program lacked until it fits. Returns (report, slots,
+    pages), or None where the reserved rows cost least or nothing fits."""
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
     b = reserved["batch"]
     shards, page_bytes = lengths.kv_layout(reserved)

@@ -15,9 +15,9 @@ live rows' pages by the TPU kernel; updated in place, so not moved whole per cal
 proportion to the chunk's slots and steps. Placing rows (`place`) is priced likewise, a
 preempted row's resume by the prefill's cost per token (`admit`), a pool resize by
 `repage_layer` per layer. What does not depend on the lengths (the parameters' copy,
-`empty`, `admit`'s prompts) is taken as compiled. Estimates, not measurements: the simulation's slots and
-pool beyond what was compiled assume the decode program still fits (the planner checks
-that by compiling).
+`empty`, `admit`'s prompts) is taken as compiled. Estimates, not measurements: the
+simulation's slots and pool beyond what was compiled assume the decode program still
+fits (the planner checks that by compiling).
 """
 
 import dataclasses

@@ -1,12 +1,12 @@
 """The jitted generation core: prefill a left-padded prompt batch, then a decode loop.
 
-`generate` is one XLA program. Prompts are prefilled once each with `models.apply` and a
-`KVCache` (rows that share a prompt, the n samples of a GRPO group, copy its cache
-instead of recomputing it), then a `lax.while_loop` samples one token per row per step
-and feeds it back through the model, until every row has emitted an EOS id or
-`max_new_tokens` is reached. All shapes are static: the caller buckets the batch and
-prompt length, so a training run compiles a handful of programs; the parameters are an
-ordinary argument, so new weights never cause a recompile.
+`generate` is one XLA program. Prompts are prefilled once each through the model's
+layers into a `KVCache` (`prefill`; rows that share a prompt, the n samples of a GRPO
+group, copy its cache instead of recomputing it), then a `lax.while_loop` samples one
+token per row per step and feeds it back through the model, until every row has emitted
+an EOS id or `max_new_tokens` is reached. All shapes are static: the caller buckets the
+batch and prompt length, so a training run compiles a handful of programs; the
+parameters are an ordinary argument, so new weights never cause a recompile.
 
 The decode step runs the model's layers, unrolled, on per-layer weights (cut, cast and
 rearranged once per call by their own program, `prepare_layers`: `decode_layer`) and
@@ -57,31 +57,21 @@ def _split_rows(cache: models.KVCache, row_prompt_B: jax.Array):
                for i in range(cache.k_LxBxKxDhxS.shape[0]))
 
 
-def prefill(cfg, params, prompt_PxL, valid_PxL, layers=None):
+def prefill(cfg, params, prompt_PxL, valid_PxL, layers):
   """Runs P left-padded prompts through the model; returns (next-token logits_PxV, KVCache).
 
   The cache holds the prompts' L slots only: decoding adds its slots when each row's cache
-  is copied out, so the prefill's cost does not grow with the rollout length. With
-  `layers` (`prepare_layers`' weights) the layers run on those, unrolled, each through
-  the model's own layer (`decode_layer.unprepare`), and params["layers"] is not read: the
-  continuous engine keeps one copy of the weights beside its page pool, not two.
+  is copied out, so the prefill's cost does not grow with the rollout length. The layers
+  run on `layers` (`prepare_layers`' weights), unrolled, each through the model's own
+  layer (`decode_layer.unprepare`): `models.apply` with a cache, but params["layers"] is
+  not read, so the engine keeps one copy of the weights beside its cache, not two.
   """
-  cache = models.KVCache.zeros(cfg, *prompt_PxL.shape)
-  if layers is None:
-    hidden_PxLxD, cache = models.apply(cfg, params, prompt_PxL, valid_PxL, cache=cache,
-                                       return_hidden=True)
-  else:
-    hidden_PxLxD, cache = _prefill_layers(cfg, params, layers, prompt_PxL, valid_PxL, cache)
-  return _last_logits(cfg, params, hidden_PxLxD[:, -1]), cache
-
-
-def _prefill_layers(cfg, params, layers, tokens_PxL, valid_PxL, cache):
-  """`models.apply` with a cache and return_hidden, on the prepared layers."""
   dt = config_lib.dtype_from_name(cfg.dtype)
+  cache = models.KVCache.zeros(cfg, *prompt_PxL.shape)
   valid_PxS, positions_PxL = transformer.cache_positions(cache.valid_BxS, cache.index,
                                                          valid_PxL)
   mask = attention_lib.AttentionMask.padded(valid_PxS, cache.index)
-  x_PxLxD = jnp.take(params["embed"], tokens_PxL, axis=0).astype(dt)
+  x_PxLxD = jnp.take(params["embed"], prompt_PxL, axis=0).astype(dt)
   new_kv = []
   for i, w in enumerate(layers):
     x_PxLxD, kv = transformer.DecoderLayer(cfg).apply(
@@ -90,8 +80,9 @@ def _prefill_layers(cfg, params, layers, tokens_PxL, valid_PxL, cache):
     new_kv.append(kv)
   h_PxLxD = transformer.RMSNorm(cfg).apply({"params": params["final_norm"]}, x_PxLxD)
   k_LxPxKxDhxS, v_LxPxKxSxDh = (jnp.stack(x) for x in zip(*new_kv))
-  return h_PxLxD, models.KVCache(k_LxPxKxDhxS, v_LxPxKxSxDh, valid_PxS,
-                                 cache.index + tokens_PxL.shape[1])
+  cache = models.KVCache(k_LxPxKxDhxS, v_LxPxKxSxDh, valid_PxS,
+                         cache.index + prompt_PxL.shape[1])
+  return _last_logits(cfg, params, h_PxLxD[:, -1]), cache
 
 
 def prepare_layers(cfg, params):
