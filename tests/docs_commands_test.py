@@ -291,6 +291,11 @@ COMMANDS = [
             run="{python} scripts/bench_sampler.py --model {tiny_model} --batch-sizes 1 "
             "--new-tokens 8 --repeats 1",
             expect=r'"ratio_vs_transformers"', slow=True),
+    Command("python scripts/bench_sampler.py --skip-transformers --batch-sizes 32,64,128,256 "
+            "--new-tokens 64 --repeats 3",
+            run="{python} scripts/bench_sampler.py --model {tiny_model} --skip-transformers "
+            "--batch-sizes 2,4 --new-tokens 8 --repeats 1", expect=r'"decode_step_ms"',
+            slow=True),
     Command("python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024 "
             "--repeats 3",
             run="{python} scripts/bench_sampler.py --model {tiny_model} --cache-phases "
