@@ -86,7 +86,8 @@ def main(argv=None):
   measured = {name: [c for c in c_list if c["measured"]] for name, c_list in calls.items()}
   lengths_R, prompt_len_R = outs["today"].lengths_N, [len(q) for q in prompts]
   sweep = [int(b) for b in args.sweep.split(",")]
-  runs = traces(lengths_R, prompt_len_R, prompt_len, engines["today"].chunk_steps, args,
+  runs = traces(lengths_R, prompt_len_R, prompt_len, args.budget_rows * per_row,
+                engines["today"].chunk_steps, args,
                 {"today": args.budget_rows, "admission": args.slots,
                  **{f"admission_{b}": b for b in sweep}})
   result = dict(
@@ -132,11 +133,10 @@ def _time_chunks(engine) -> list:
   return seconds
 
 
-def traces(lengths_R, prompt_len_R, prompt_len, chunk_steps, args, runs) -> dict:
+def traces(lengths_R, prompt_len_R, prompt_len, budget, chunk_steps, args, runs) -> dict:
   """{name: (the chunks the engine's scheduler runs for rows of these lengths, no model;
   its slots)}: `budget_rows` slots reserving full rows ("today"), else admission in that
-  many slots over the same budget."""
-  budget = args.budget_rows * -(-(prompt_len + args.new_tokens) // PAGE)
+  many slots over the same `budget` (pages)."""
   result = {}
   for name, slots in runs.items():
     capacity = None if name == "today" else budget
@@ -148,6 +148,7 @@ def traces(lengths_R, prompt_len_R, prompt_len, chunk_steps, args, runs) -> dict
 
 
 def summary(trace, slots) -> dict:
+  """A simulated rollout's totals: its steps, slot-steps, row-steps and live rows a step."""
   row_steps = int((trace.steps_C * trace.rows_C).sum())
   return dict(slots=slots, decode_steps=int(trace.steps_C.sum()),
               slot_steps=int((trace.steps_C * trace.slots_C).sum()), row_steps=row_steps,
