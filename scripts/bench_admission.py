@@ -141,9 +141,9 @@ def traces(lengths_R, prompt_len_R, prompt_len, budget, chunk_steps, args, runs)
   for name, slots in runs.items():
     capacity = None if name == "today" else budget
     table = pages.PageTable(slots, PAGE, prompt_len, args.new_tokens, 1, capacity)
-    keep_free = 0 if capacity is None else int(args.headroom * table.capacity_per_shard)
     result[name] = (schedule.simulate(lengths_R, np.asarray(prompt_len_R), table,
-                                      args.new_tokens, chunk_steps, keep_free), slots)
+                                      args.new_tokens, chunk_steps,
+                                      table.keep_free(args.headroom)), slots)
   return result
 
 

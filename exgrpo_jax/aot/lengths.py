@@ -166,9 +166,8 @@ def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
                           kernel=price.kernel)
   if sizes is not None:
     table.sizes, table.owner_P = sizes, np.full(sizes[0], -1)
-  keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
   trace = schedule.simulate(lengths_R, np.full(len(lengths_R), b["prompt_tokens"]), table, N,
-                            16, keep_free)
+                            16, table.keep_free(headroom))
   pool_C = trace.pool_pages_C / price.shards * price.page_bytes
   read_C = (trace.held_pages_C if price.kernel else trace.pool_pages_C) / price.shards
   bytes_C = (price.decode_fixed + price.pool_moves * pool_C

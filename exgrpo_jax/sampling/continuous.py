@@ -115,7 +115,7 @@ def generate(engine, prompt_ids, prompt_index_R, rows_R, weights_, key, sampling
   kernel = paged_kernel.wanted(engine.program_cfg, mesh, B)
   table = pages_lib.PageTable(B, page_size, prompt_len, N, shards, capacity,
                               kernel=kernel)
-  keep_free = int(headroom * table.capacity_per_shard) if capacity is not None else 0
+  keep_free = table.keep_free(headroom)
   state, carry = engine.compiled(slots_lib.empty, (params, key), dict(
       slots=B, pages=table.pages, page_size=page_size, prompt_len=prompt_len,
       kernel=kernel, mesh=mesh))(params, key)

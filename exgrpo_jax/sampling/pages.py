@@ -59,6 +59,7 @@ class PageTable:
                shards: int, capacity: int | None = None,
                kernel: bool = False):
     self.T, self.L, self.shards = page_size, prompt_len, shards
+    self.capped = capacity is not None
     pages_per_row = -(-(prompt_len + max_new_tokens) // page_size)
     round_up = lambda n, m: -(-n // m) * m
     # Every slot at its longest (the static loop's cache), or less where asked.
@@ -109,6 +110,11 @@ class PageTable:
   @property
   def capacity_per_shard(self) -> int:
     return self.sizes[-1] // self.shards
+
+  def keep_free(self, headroom: float) -> int:
+    """The pages of a shard kept free when admitting a row beside running ones: `headroom`
+    of its capacity, none where the pool holds every slot's row at its longest."""
+    return int(headroom * self.capacity_per_shard) if self.capped else 0
 
   def need(self, ends_B: np.ndarray) -> np.ndarray:
     """[shards]: the pages each shard's slots need for their addresses below `ends_B`."""
