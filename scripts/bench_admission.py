@@ -53,7 +53,7 @@ def main(argv=None):
   p.add_argument("--slots", type=int, default=256, help="the admission engine's slots")
   p.add_argument("--headroom", type=float, default=0.1)
   p.add_argument("--repeats", type=int, default=2)
-  p.add_argument("--sweep", default="64,128,192,256",
+  p.add_argument("--sweep", default="64,128,192,256", type=slot_counts,
                  help="slot counts `simulated` replays the rows' lengths at")
   args = p.parse_args(argv)
   policy = models.from_pretrained(args.model or None)
@@ -85,11 +85,10 @@ def main(argv=None):
   same_N = (outs["today"].tokens_NxT == outs["admission"].tokens_NxT).all(1)
   measured = {name: [c for c in c_list if c["measured"]] for name, c_list in calls.items()}
   lengths_R, prompt_len_R = outs["today"].lengths_N, [len(q) for q in prompts]
-  sweep = [int(b) for b in args.sweep.split(",")]
   runs = traces(lengths_R, prompt_len_R, prompt_len, args.budget_rows * per_row,
                 engines["today"].chunk_steps, args,
                 {"today": args.budget_rows, "admission": args.slots,
-                 **{f"admission_{b}": b for b in sweep}})
+                 **{f"admission_{b}": b for b in args.sweep}})
   result = dict(
       model=args.model or "SmolLM2-135M-Instruct (embedded)",
       device=str(jax.devices()[0].device_kind), cpu_count=os.cpu_count(), rows=args.rows,
@@ -111,6 +110,11 @@ def main(argv=None):
                                 zip(measured["today"], measured["admission"])),
       cost_model=cost_model(measured, runs, lengths_R))
   print(json.dumps(result, indent=1))
+
+
+def slot_counts(text: str) -> list[int]:
+  """--sweep's comma-separated slot counts (argparse names the flag when one is not)."""
+  return [int(b) for b in text.split(",")]
 
 
 def _time_chunks(engine) -> list:

@@ -494,3 +494,13 @@ def test_bench_sampler_without_pytorch_says_what_to_install(tiny_dir, tmp_path):
   assert len(notes) == 1 and 'pip install "torch==2.13.0+cpu"' in notes[0], proc.stderr
   assert '"skipped": "PyTorch is not installed"' in proc.stdout
   assert '"decode_tokens_per_s"' in proc.stdout
+
+
+def test_bench_admission_names_a_bad_sweep_in_one_line():
+  """A slot count that is not a number is refused by the flag's parser before any model
+  loads: one line naming --sweep and the value, no traceback."""
+  proc = subprocess.run([sys.executable, "scripts/bench_admission.py", "--sweep", "64,x"],
+                        cwd=conftest.REPO_ROOT, capture_output=True, text=True, timeout=300,
+                        check=False, env=conftest.subprocess_env())
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "argument --sweep: invalid slot_counts value: '64,x'" in proc.stderr.splitlines()[-1]
