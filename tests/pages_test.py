@@ -134,3 +134,38 @@ def test_on_a_mesh_a_rows_pages_are_in_its_slots_part_of_the_pool(monkeypatch):
   for s in range(2):  # every new page's source, where it has one, is in its own half
     part = source[s * half():(s + 1) * half()]
     assert ((part // old_half == s) | (part == 2 * old_half)).all(), source
+
+
+def test_a_rows_pages_are_its_first_ones_through_admission_preemption_and_resizes(
+    monkeypatch):
+  """`held_B` (which `fit` and `release` use instead of scanning the table) is what the
+  table holds: each row's pages are its first ones, each page owned by the row holding it,
+  after every chunk of rollouts that admit, preempt, shrink the slots and resize the
+  pool, over 1, 2 and 4 shards."""
+  from exgrpo_jax.sampling import schedule  # pylint: disable=g-import-not-at-top
+  fit, checked = pages.PageTable.fit, []
+
+  def checked_fit(table, ends_B):
+    source_Q = fit(table, ends_B)
+    held_BxN = table.table_BxN >= 0
+    np.testing.assert_array_equal(held_BxN.sum(axis=1), table.held_B)
+    assert (held_BxN == (np.arange(held_BxN.shape[1]) < table.held_B[:, None])).all()
+    assert (-(-ends_B // table.T) <= table.held_B).all()
+    owner_P = np.full(table.pages, -1)
+    owner_P[table.table_BxN[held_BxN]] = np.nonzero(held_BxN)[0]
+    np.testing.assert_array_equal(owner_P, table.owner_P)
+    checked.append(source_Q is not None)
+    return source_Q
+
+  monkeypatch.setattr(pages.PageTable, "fit", checked_fit)
+  rng = np.random.default_rng(0)
+  preempted = 0
+  for shards in (1, 2, 4):
+    for capacity_rows in (1, 2, 3, None):
+      table = pages.PageTable(4 * shards, page_size=4, prompt_len=6, max_new_tokens=40,
+                              shards=shards,
+                              capacity=capacity_rows and capacity_rows * 12 * shards)
+      trace = schedule.simulate(rng.integers(1, 41, 24), rng.integers(1, 7, 24), table,
+                                40, 5)
+      preempted += trace.preemptions
+  assert preempted and any(checked) and not all(checked)

@@ -74,6 +74,7 @@ class PageTable:
       full = min(full, capacity // shards * shards)
     self.sizes = ladder(full, pages_per_row, shards, kernel)
     self.table_BxN = np.full((slots, pages_per_row), -1)
+    self.held_B = np.zeros(slots, np.int64)  # a row's pages are always its first ones
     self.owner_P = np.full(self.sizes[0], -1)  # the slot holding each page (-1: free)
 
   @property
@@ -86,9 +87,8 @@ class PageTable:
 
   def release(self, b: int) -> None:
     """Slot b's row ended (or b takes a new row): its pages are free."""
-    held = self.table_BxN[b][self.table_BxN[b] >= 0]
-    self.owner_P[held] = -1
-    self.table_BxN[b] = -1
+    self.owner_P[self.table_BxN[b, :self.held_B[b]]] = -1
+    self.table_BxN[b], self.held_B[b] = -1, 0
 
   def select(self, keep_C: np.ndarray) -> None:
     """Slots `keep_C` become slots 0 .. C - 1 (`slots.select`); the others hold no page.
@@ -100,7 +100,7 @@ class PageTable:
                        f"({self.shards} shards of {self.slots} slots)")
     slot_of = np.full(self.slots, -1)
     slot_of[keep_C] = np.arange(C)
-    self.table_BxN = self.table_BxN[keep_C]
+    self.table_BxN, self.held_B = self.table_BxN[keep_C], self.held_B[keep_C]
     self.owner_P = np.where(self.owner_P >= 0, slot_of[self.owner_P], -1)
 
   def shard_of(self, b):
@@ -118,8 +118,7 @@ class PageTable:
 
   def need(self, ends_B: np.ndarray) -> np.ndarray:
     """[shards]: the pages each shard's slots need for their addresses below `ends_B`."""
-    return np.bincount(self.shard_of(np.arange(self.slots)),
-                       weights=-(-np.asarray(ends_B) // self.T), minlength=self.shards)
+    return (-(-np.asarray(ends_B) // self.T)).reshape(self.shards, -1).sum(axis=1)
 
   def room(self, need: float, end: int, keep_free: int) -> bool:
     """Whether a shard whose slots need `need` pages has those of a row's addresses
@@ -155,8 +154,11 @@ class PageTable:
       self.table_BxN = np.where(self.table_BxN >= 0, new_index[self.table_BxN], -1)
       self.owner_P = np.where(kept, self.owner_P[np.where(kept, source_Q, 0)], -1)
     # The missing pages in slot order, then page order: each shard's first free pages.
-    miss_b, miss_j = np.nonzero((self.table_BxN < 0)
-                                & (np.arange(self.table_BxN.shape[1]) < last_B[:, None]))
+    count_B = np.maximum(last_B - self.held_B, 0)
+    miss_b = np.repeat(np.arange(self.slots), count_B)
+    miss_j = np.arange(miss_b.size) - np.repeat(np.cumsum(count_B) - count_B - self.held_B,
+                                                count_B)
+    self.held_B = np.maximum(self.held_B, last_B)
     per = self.pages // self.shards
     shard_M = self.shard_of(miss_b)
     for s in np.unique(shard_M):

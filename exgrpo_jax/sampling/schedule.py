@@ -66,8 +66,11 @@ class Scheduler:
     for b in _free_slots(self.slot_row_B, shards):
       if not self.pending or len(full) == shards:
         break
-      s, end = table.shard_of(b), self.end_of(self.pending[0])
-      if s in full or not table.room(need_S[s], end, self.keep_free):
+      s = table.shard_of(b)
+      if s in full:
+        continue
+      end = self.end_of(self.pending[0])
+      if not table.room(need_S[s], end, self.keep_free):
         full.add(s)
       else:
         need_S[s] += -(-end // table.T)
@@ -194,7 +197,7 @@ def simulate(lengths_R, prompt_len_R, table: pages_lib.PageTable, max_new_tokens
     slots.append(table.slots)
     rows.append(live.size)
     pool.append(table.pages)
-    held.append(int((table.owner_P >= 0).sum()))
+    held.append(int(table.held_B.sum()))
     scheduler.lengths_R[scheduler.slot_row_B[live]] = done_R + np.minimum(taken, left)
     for b in live[left <= taken]:
       scheduler.advance(b, scheduler.lengths_R[scheduler.slot_row_B[b]], True)
