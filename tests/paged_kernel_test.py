@@ -171,7 +171,8 @@ def _mesh_child(outdir: str) -> None:
 @pytest.mark.slow
 def test_kernel_path_on_a_mesh_gives_the_xla_paths_rows(tmp_path):
   env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=4")
+                                XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                                **conftest.FAST_COMPILE)
   proc = subprocess.run(
       [sys.executable, "-c",
        f"from tests import paged_kernel_test as t; t._mesh_child({str(tmp_path)!r})"],

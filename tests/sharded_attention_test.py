@@ -81,7 +81,8 @@ def _child(outdir: str) -> None:
 def results(tmp_path_factory):
   outdir = tmp_path_factory.mktemp("sharded_attention")
   env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=8")
+                                XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                                **conftest.FAST_COMPILE)
   proc = subprocess.run(
       [sys.executable, "-c",
        f"from tests import sharded_attention_test as t; t._child({str(outdir)!r})"],

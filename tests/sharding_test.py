@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests import conftest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = {"8x1": (8, 1), "4x2": (4, 2), "2x4": (2, 4)}
 SAMPLING_MESHES = ("8x1", "2x4")  # a replicated and a tensor-parallel rollout copy
@@ -241,7 +243,7 @@ def _unsplit_large_leaves(params, opt_state) -> list[str]:
 def measured(tmp_path_factory):
   outdir = tmp_path_factory.mktemp("sharded")
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS="--xla_force_host_platform_device_count=8", **conftest.FAST_COMPILE)
   proc = subprocess.run(
       [sys.executable, "-c",
        f"from tests import sharding_test; sharding_test._child({str(outdir)!r})"],
