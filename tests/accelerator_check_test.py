@@ -34,6 +34,7 @@ def smoke(tmp_path_factory, smollm2_hf_dir):
   return run_check(tmp_path_factory.mktemp("smoke"))
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_part(smoke):
   parts = smoke["parts"]
   assert list(parts) == list(accelerator_check.ORDER)
@@ -46,6 +47,7 @@ def test_smoke_runs_every_part(smoke):
   assert smoke["environment"]["versions"]["jax"]
 
 
+@pytest.mark.slow
 def test_smoke_figures_are_plausible(smoke):
   figures = {name: part["figures"] for name, part in smoke["parts"].items()}
   tests = figures["tests"]
@@ -78,6 +80,7 @@ def test_smoke_figures_are_plausible(smoke):
   assert 0 <= step["batch/solved"] <= 1 and step["timing_s/step"] > 0
 
 
+@pytest.mark.slow
 def test_render_gives_one_row_per_part_and_tables(smoke, tmp_path, capsys):
   path = tmp_path / "report.json"
   path.write_text(json.dumps(smoke))

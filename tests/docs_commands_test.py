@@ -84,7 +84,7 @@ COMMANDS = [
             expect=r"average"),
     Command("python -m exgrpo_jax.eval --data arithmetic --limit 10",
             run="{python} -m exgrpo_jax.eval --data arithmetic --limit 10",
-            expect=r"arith_add"),
+            expect=r"arith_add", slow=True),
     Command("python -m exgrpo_jax.eval --data arithmetic --reward-module my_rewards --reward "
             "last_int", covered="tests/plugins_test.py::"
             "test_eval_with_the_doc_plugin_reward_and_its_defaults"),
@@ -109,7 +109,7 @@ COMMANDS = [
     Command("python scripts/bench_sampler.py [--schedulers]",
             run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
             "--batch-sizes 2 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
-            expect=r'"continuous"'),
+            expect=r'"continuous"', slow=True),
     Command("bash scripts/reproduce_small.sh",
             run="FLAGS='--config.train.steps=1 --config.eval.limit=2' SEEDS=1 "
             "ABLATION_SEEDS=1 OUT={tmp}/study PYTHON={python} bash scripts/reproduce_small.sh",
@@ -259,7 +259,7 @@ COMMANDS = [
             "--baseline=model.remat=none,train.prompt_bucket=64",
             run="{python} scripts/bench_train.py --config=configs/tiny.py --variants=exgrpo "
             "--steps=1 --warmup=0 --baseline=model.remat=full,train.prompt_bucket=64",
-            expect=r'"exgrpo/over_baseline"'),
+            expect=r'"exgrpo/over_baseline"', slow=True),
     Command("python scripts/study_v3.py run",
             skip="the study itself: hours of training (its stage and health rules: "
             "tests/study_v3_test.py)"),
@@ -282,7 +282,7 @@ COMMANDS = [
     Command("python scripts/bench_admission.py --repeats 1",
             run="{python} scripts/bench_admission.py --model {tiny_model} --rows 4 "
             "--new-tokens 8 --budget-rows 1 --slots 4 --repeats 1",
-            expect=r'"rows_identical": 4'),
+            expect=r'"rows_identical": 4', slow=True),
     Command("python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 "
             "--repeats 5 [--vllm-dtype bfloat16]",
             covered="tests/vllm_real_test.py::"
