@@ -14,13 +14,19 @@ if os.path.isdir(SHARED_DATA):
 # float32 means float32 in the tests on every backend, as in a float32 training run
 # (model.matmul_precision "auto"); JAX's own default is TF32 on NVIDIA GPUs.
 jax.config.update("jax_default_matmul_precision", "highest")
-# The tests' programs are small and each runs a few times: LLVM's optimisation of them was
-# most of the suite's time (a third of it, in the modules that compile the most). Every
-# test passes at the same tolerances without it. The processes tests start keep the
-# default (those running configs/tiny.py or the real model run their programs long);
-# those that only compile small programs on a mesh pass `FAST_COMPILE` on.
+# For the child processes that only compile small programs on a mesh (`_fast_compile`).
 FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fast_compile():
+  """On CPU the tests' programs are small and each runs a few times: LLVM's optimisation
+  of them was most of the suite's time (a third of it in the modules that compile the
+  most); every test passes at the same tolerances without it. On a GPU (the accelerator
+  check runs this suite there) the programs stay as users run them, and so do the
+  processes tests start that run configs/tiny.py or the real model (their programs run
+  long); the others pass `FAST_COMPILE` on."""
+  jax.config.update("jax_disable_most_optimizations", jax.default_backend() == "cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -141,6 +141,7 @@ def test_kernel_path_gives_the_xla_paths_rows(qwen2_model, monkeypatch):
   _assert_same_rows(out, ref)
 
 
+@pytest.mark.slow  # by default: the kernel path above, the preemptions in preemption_test
 def test_kernel_path_with_preempted_rows_gives_the_xla_paths_rows(qwen2_model, monkeypatch):
   """A pool of one row at its longest (pages of 4 for a prompt bucket of 32 and 24 new
   tokens: 14) beside 3 slots, every row running to its longest: rows are preempted, and

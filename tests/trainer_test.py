@@ -218,6 +218,7 @@ COMPARED = ("batch/solved", "batch/replay_started", "actor/pg_loss", "actor/off_
             "experience/batch_size", "experience/trajectories", "experience/retired")
 
 
+@pytest.mark.slow  # by default: kill_resume_test kills and resumes a run past the start
 def test_resume_after_the_delayed_start_fired_mid_run(tmp_path):
   # The script's batch accuracy is 10/16 = 0.625 before any replay: the start fires
   # at the end of step 1, so step 1 only retires and clips, steps 2-4 do not clip and
