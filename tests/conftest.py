@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: paths to the real data and model, tiny HF checkpoints."""
+"""Shared pytest fixtures: paths to the real data and model, tiny HF checkpoints, and how
+the tests compile (fast on CPU, caches cleared between modules)."""
 
 import os
 

@@ -154,6 +154,7 @@ class PageTable:
       self.table_BxN = np.where(self.table_BxN >= 0, new_index[self.table_BxN], -1)
       self.owner_P = np.where(kept, self.owner_P[np.where(kept, source_Q, 0)], -1)
     # The missing pages in slot order, then page order: each shard's first free pages.
+    # Slot b misses its pages held_B[b] .. last_B[b] - 1.
     count_B = np.maximum(last_B - self.held_B, 0)
     miss_b = np.repeat(np.arange(self.slots), count_B)
     miss_j = np.arange(miss_b.size) - np.repeat(np.cumsum(count_B) - count_B - self.held_B,
