@@ -161,7 +161,7 @@ def test_a_rows_pages_are_its_first_ones_through_admission_preemption_and_resize
   rng = np.random.default_rng(0)
   preempted = 0
   for shards in (1, 2, 4):
-    for capacity_rows in (1, 2, 3, None):
+    for capacity_rows in (1, 2, 3, None):  # rows at their longest: 12 pages of 4 each
       table = pages.PageTable(4 * shards, page_size=4, prompt_len=6, max_new_tokens=40,
                               shards=shards,
                               capacity=capacity_rows and capacity_rows * 12 * shards)

@@ -242,8 +242,9 @@ def _unsplit_large_leaves(params, opt_state) -> list[str]:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
   outdir = tmp_path_factory.mktemp("sharded")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8", **conftest.FAST_COMPILE)
+  env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
+                                XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                                **conftest.FAST_COMPILE)
   proc = subprocess.run(
       [sys.executable, "-c",
        f"from tests import sharding_test; sharding_test._child({str(outdir)!r})"],
