@@ -246,7 +246,7 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
 
   The model configs take `mesh_shape`, `max_rows` (`rollout.max_rows`, rows per
   generate call) and `kv_pages` (`rollout.kv_pages`, the KV pool's pages; 0: every row's
-  longest) from the compiler's plan for 8 H100s (scripts/aot_plan.py,
+  longest) from the compiler's plan for 8 H100s (`python -m exgrpo_jax.aot plan`,
   docs/results/aot_<config>_h100x8.json); docs/aot.md ("Memory plan") gives the flags for
   8 H200s and a TPU v5p-8.
 

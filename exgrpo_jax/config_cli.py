@@ -29,7 +29,9 @@ def make_config_files_importable(argv) -> None:
   for arg in argv:
     if arg.startswith("--config="):
       path = arg.split("=", 1)[1].split(":", 1)[0]
-      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
+      root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+      if root not in sys.path:
+        sys.path.insert(0, root)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -58,20 +60,26 @@ def unknown_key(c, key: str) -> str | None:
   return None
 
 
+def load(spec: str) -> ml_collections.ConfigDict:
+  """The config of `FILE.py[:ARG]`, as `--config=` loads it (unlocked)."""
+  path, _, arg = spec.partition(":")
+  make_config_files_importable([f"--config={path}"])
+  module_spec = importlib.util.spec_from_file_location("exgrpo_config_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(*([arg] if arg else []))
+
+
 def config_problem(argv) -> str | None:
   """What is wrong with `--config` or a `--config.KEY` override in `argv`, found by
   loading the config file again (absl's own message is a traceback or names neither)."""
   specs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
   if not specs:
     return None
-  path, _, arg = specs[-1].partition(":")
-  if not os.path.isfile(path):
+  if not os.path.isfile(specs[-1].partition(":")[0]):
     return f"--config={specs[-1]}: no such file"
   try:
-    spec = importlib.util.spec_from_file_location("exgrpo_config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(*([arg] if arg else []))
+    config = load(specs[-1])
   except Exception as e:  # pylint: disable=broad-except
     return f"--config={specs[-1]}: {cli.one_line(e)}"
   for a in argv:

@@ -98,8 +98,8 @@ def test_recorded_lengths_keep_their_share_of_the_cap(tmp_path):
 
 
 def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys):
-  from scripts import aot_plan  # pylint: disable=g-import-not-at-top
-  aot_plan.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",
+  from exgrpo_jax.aot import plan_cli  # pylint: disable=g-import-not-at-top
+  plan_cli.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",
                  "--mean", "3501", "--cap-share", "0.09"])
   out = capsys.readouterr().out.splitlines()
   header = next(l for l in out if l.startswith("| config | target | rows per call | compiled"))
@@ -108,7 +108,7 @@ def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys)
   assert row.split(" | ")[3] == "750"  # the compiled estimate, every row at the cap
   assert re.fullmatch(r"\d+ \(\d+\) @\d+", row.split(" | ")[6])  # seconds (preempted) @slots
   with pytest.raises(SystemExit):
-    aot_plan.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",
+    plan_cli.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",
                    "--mean", "9000", "--cap-share", "0.5"])
   assert "a mean of 9000 tokens with 50% at the cap" in capsys.readouterr().err
 

@@ -1,6 +1,6 @@
-"""scripts/aot_plan.py's arithmetic: the pool's bound on the rows per call, a decode step's
-bytes, and the rollout search's choice of rows, on made-up compiler figures (no
-compiles); its and `python -m exgrpo_jax.aot`'s bad arguments."""
+"""The planner's arithmetic (`exgrpo_jax.aot.plan`): the pool's bound on the rows per
+call, a decode step's bytes, and the rollout search's choice of rows, on made-up compiler
+figures (no compiles); `python -m exgrpo_jax.aot [plan]`'s bad arguments and labels."""
 
 import json
 import os
@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from exgrpo_jax.aot import lengths
-from scripts import aot_plan
+from exgrpo_jax.aot import plan
+from exgrpo_jax.aot import plan_cli
+from tests import conftest
 
 GIB = 2 ** 30
 
@@ -35,46 +37,46 @@ def test_pool_bound_is_the_room_left_over_a_full_rows_kv_bytes():
   # (144 pages of 64); keys and values in bfloat16 over 32 layers, all rows on each device.
   row = 9216 * 2 * 2 * 128 * 2 * 32
   report = _report(8, 4, 4, 1024, 8192, 192, 28.0, row, 95.73)
-  assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 28.0) * GIB / row)
-  assert aot_plan.pool_bound(report) == pytest.approx(240.8, abs=0.1)
+  assert plan.pool_bound(report) == pytest.approx((95.73 - 28.0) * GIB / row)
+  assert plan.pool_bound(report) == pytest.approx(240.8, abs=0.1)
 
 
 def test_pool_bound_splits_rows_over_the_batch_axes_and_kv_heads_only_where_they_divide():
   # 4 KV heads on tensor 8 stay whole on each device; rows split over fsdp 2 (16 devices).
   row = 9216 * 2 * 4 * 128 * 2 * 32 / 2
   report = _report(4, 8, 16, 1024, 8192, 512, 10.0, row, 31.24)
-  assert aot_plan.pool_bound(report) == pytest.approx((31.24 - 10.0) * GIB / row)
+  assert plan.pool_bound(report) == pytest.approx((31.24 - 10.0) * GIB / row)
 
 
 def test_pool_bound_counts_a_rows_last_page_whole():
   # A 1000-token prompt takes the 1024 bucket; 1024 + 8200 tokens fill 145 pages of 64.
   row = 145 * 64 * 2 * 2 * 128 * 2 * 32
   report = _report(8, 4, 4, 1000, 8200, 64, 20.0, row, 95.73)
-  assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 20.0) * GIB / row)
+  assert plan.pool_bound(report) == pytest.approx((95.73 - 20.0) * GIB / row)
 
 
 def test_pool_bound_prices_the_kv_in_the_models_compute_dtype():
   # A float32 model's pool holds 4-byte keys and values: a row costs twice bfloat16's.
   row = 9216 * 2 * 2 * 128 * 4 * 32
   report = _report(8, 4, 4, 1024, 8192, 96, 28.0, row, 95.73, dtype="float32")
-  assert aot_plan.pool_bound(report) == pytest.approx((95.73 - 28.0) * GIB / row)
+  assert plan.pool_bound(report) == pytest.approx((95.73 - 28.0) * GIB / row)
 
 
 def test_decode_step_bytes_are_the_rooflines_reads_less_arguments_and_outputs_per_step():
   decode = dict(name="decode_chunk", purpose="16 decode steps of 224 slots over the "
                 "32256-page pool", argument_bytes=60 * GIB, output_bytes=55 * GIB,
                 hbm_bytes_per_call=(60 + 55 + 16 * 38.5) * GIB)
-  assert aot_plan.decode_step_bytes(dict(programs=[decode])) == 38.5 * GIB
+  assert plan_cli.decode_step_bytes(dict(programs=[decode])) == 38.5 * GIB
 
 
 def test_prefill_seconds_are_admit_and_place_rooflines_times_their_calls():
   programs = [dict(name="admit", roofline_s=0.03, calls_per_step=32),
               dict(name="place", roofline_s=0.05, calls_per_step=64),
               dict(name="decode_chunk", roofline_s=0.29, calls_per_step=2000)]
-  assert aot_plan.prefill_seconds(dict(programs=programs)) == pytest.approx(0.96 + 3.2)
+  assert plan_cli.prefill_seconds(dict(programs=programs)) == pytest.approx(0.96 + 3.2)
 
 
-class _AffinePlanner(aot_plan.Planner):
+class _AffinePlanner(plan.Planner):
   """A planner whose compiles are made up: each rollout program's peak is affine in the
   rows, and a compile fits where every peak is within `usable`."""
 
@@ -111,7 +113,7 @@ def test_rollout_search_gives_0_where_64_rows_do_not_fit():
   assert _AffinePlanner(10.0, dict(admit=0.1), dict(admit=9.0)).rollout(1, 1024, 8) == 0
 
 
-class _PoolPlanner(aot_plan.Planner):
+class _PoolPlanner(plan.Planner):
   """A planner whose compiles fit while the pool has at most `fits` pages: above, the
   decode's peak exceeds the usable memory by the extra pages' bytes."""
 
@@ -130,14 +132,14 @@ class _PoolPlanner(aot_plan.Planner):
 def test_admission_takes_the_pages_that_fit_and_the_slots_that_cost_least_over_them():
   # qwen7b on v5e-16, compiled with 64 rows reserved at their longest: the memory holds
   # about 67 rows' pages; a made-up compiler fits 9,400 of them.
-  with open(os.path.join(aot_plan.REPO, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
+  with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
     reserved = json.load(f)["report"]
   shards, page_bytes = lengths.kv_layout(reserved)
   planner = _PoolPlanner(reserved["programs"][0]["usable_bytes"] / GIB, 9400, page_bytes,
                          shards)
   best = dict(tensor=4, micro_batch_size=8, max_rows=64)
   report, slots, pages = planner.admission(best, reserved, 0.1)
-  first = int(aot_plan.pool_bound(reserved) * 144) // shards * shards
+  first = int(plan.pool_bound(reserved) * 144) // shards * shards
   assert planner.search[0][1] == first > 9400  # too many: lowered once
   assert len(planner.search) == 2 and planner.search[1] == (slots, pages) and report["ok"]
   assert 9400 - 2 * shards <= pages <= 9400 and slots > 64
@@ -157,26 +159,90 @@ def test_admission_takes_the_pages_that_fit_and_the_slots_that_cost_least_over_t
     (["--render", "{tmp}/other.json"],
      "--render: none of {tmp}/other.json is a plan (no 'config' key)"),
     (["--config=configs/nosuch.py", "--target=v5p-8", "--out={tmp}/o.json"],
-     "--config=configs/nosuch.py: no such config in {repo}/configs"),
+     "--config=configs/nosuch.py: no such file"),
     (["--config=configs/tiny.py", "--target=v5p-8", "--out={tmp}/o.json",
       "--like={tmp}/missing.json"], "--like {tmp}/missing.json: No such file or directory"),
+    # Flags the chosen mode would not read are refused, not ignored.
+    (["--render", "{tmp}/plan.json", "--mean", "3501"],
+     "--mean is read only with --estimate"),
+    (["--render", "{tmp}/plan.json", "--cap-share", "0.09"],
+     "--cap-share is read only with --estimate"),
+    (["--render", "{tmp}/plan.json", "--lengths", "{tmp}/lengths.json"],
+     "--lengths is read only with --estimate"),
+    (["--render", "{tmp}/plan.json", "--estimate", "--cap-share", "0.09"],
+     "--cap-share is read only with --mean"),
+    (["--render", "{tmp}/plan.json", "--estimate", "--mean", "3501", "--lengths",
+      "{tmp}/lengths.json"], "--lengths and --mean are two length distributions: give one"),
+    (["--render", "{tmp}/plan.json", "--target=v5p-8"],
+     "--target searches; --render only renders plans: give one or the other"),
+    (["--config=configs/tiny.py", "--target=v5p-8", "--out={tmp}/o.json", "--estimate"],
+     "--estimate is read only with --render FILES"),
 ])
 def test_a_bad_argument_is_one_line_naming_it(tmp_path, capsys, args, line):
   (tmp_path / "notjson.json").write_text("nope")
   (tmp_path / "list.json").write_text("[1]")
   (tmp_path / "other.json").write_text('{"benchmark": 1}')
-  fill = lambda s: s.format(tmp=tmp_path, repo=aot_plan.REPO)
+  fill = lambda s: s.format(tmp=tmp_path, repo=conftest.REPO_ROOT)
   with pytest.raises(SystemExit) as e:
-    aot_plan.main([fill(a) for a in args])
+    plan_cli.main([fill(a) for a in args])
   assert e.value.code == 2
-  assert capsys.readouterr().err.splitlines()[-1] == f"aot_plan.py: error: {fill(line)}"
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"exgrpo_jax.aot plan: error: {fill(line)}")
+
+
+def test_the_planner_is_a_subcommand_of_the_aot_module(tmp_path):
+  plan_path = os.path.join(conftest.REPO_ROOT, "docs/results/aot_qwen7b_h100x8.json")
+  proc = subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.aot", "plan", "--render", plan_path],
+      capture_output=True, text=True, check=False, cwd=tmp_path,
+      env=conftest.subprocess_env())
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "| qwen7b | h100x8 | 2 x 4 |" in proc.stdout
+  proc = subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.aot", "plan", "--render", plan_path, "--mean", "9"],
+      capture_output=True, text=True, check=False, cwd=tmp_path,
+      env=conftest.subprocess_env())
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "exgrpo_jax.aot plan: error: --mean is read only with --estimate")
+
+
+class _NothingFits(plan.Planner):
+  """A planner whose every compile fails for want of memory."""
+
+  def __init__(self, spec, target):  # pylint: disable=super-init-not-called
+    from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+    self.check, self.spec_path, self.target = check, spec, target
+    self.name = plan.config_name(spec)
+    self.spec, self.usable, self.search = plan.targets.get(target), 15.75, []
+
+  def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+    failure = f"learner_step did not compile: CompileTimeHbmOom: {40 - tensor} GiB needed"
+    self.search.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows,
+                            first_failure=failure))
+    return dict(ok=False, first_failure=failure, programs=[])
+
+
+def test_a_search_that_finds_nothing_exits_1_naming_the_least_failure(tmp_path, capsys,
+                                                                      monkeypatch):
+  monkeypatch.setattr(plan, "Planner", _NothingFits)
+  monkeypatch.setattr(plan_cli.targets, "prepare_environment", lambda: None)
+  out = tmp_path / "plan.json"
+  code = plan_cli.main(["--config=configs/qwen7b.py", "--target=v5e-8", f"--out={out}"])
+  assert code == 1
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.startswith("exgrpo_jax.aot plan: qwen7b does not fit v5e-8 at any mesh or "
+                        "micro-batch; the least: mesh 2 x 4")
+  assert "36 GiB needed" in err and f"(the plan: {out})" in err
+  saved = json.loads(out.read_text())
+  assert saved["fits"] is False and saved["verdict"] in err
 
 
 def test_aot_cli_names_an_unreadable_target_config(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "exgrpo_jax.aot", "--config=configs/tiny.py", "--target=h100x8",
        f"--target_config={tmp_path}/h100.pbtxt"],
-      capture_output=True, text=True, check=False, cwd=aot_plan.REPO)
+      capture_output=True, text=True, check=False, cwd=conftest.REPO_ROOT)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1] == (
       f"exgrpo_jax.aot: --target_config={tmp_path}/h100.pbtxt: No such file or directory")

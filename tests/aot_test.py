@@ -183,8 +183,14 @@ def test_cli_compiles_a_config_and_writes_its_report(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   # libtpu's start-up without a TPU logged an INVALID_ARGUMENT error that read as a failure
   assert "INVALID_ARGUMENT" not in proc.stderr and "Failed to find host" not in proc.stderr
-  assert proc.stdout.splitlines()[0].split()[:3] == ["program", "compile", "s"]
+  # One of the model's 28 layers: labelled as such, with no step estimate.
+  partial = "1 of 28 layers compiled: memory and time not for the whole model"
+  assert proc.stdout.splitlines()[0].startswith(partial)
+  assert proc.stdout.splitlines()[1].split()[:3] == ["program", "compile", "s"]
+  assert proc.stdout.splitlines()[-1].startswith("1 of 28 layers compiled: the figures")
+  assert "estimate of one training step" not in proc.stdout
   report = json.loads(out.read_text())
+  assert report["partial"] == "1 of 28 layers" and report["step_estimate"] is None
   assert report["ok"] and report["first_failure"] is None
   assert report["target"]["name"] == "v5p-8" and report["devices"] == 4
   assert report["model"]["layers"] == 1 and report["model"]["attention"] == "auto"

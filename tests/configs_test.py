@@ -49,7 +49,7 @@ def test_paper_defaults():
 @pytest.mark.parametrize("name", ["qwen7b", "qwen7b_instruct", "qwen1_5b", "llama8b",
                                   "llama8b_instruct"])
 def test_paper_configs_take_the_compilers_plan_for_8_h100s(name):
-  """mesh.shape, rollout.max_rows and kv_pages are what scripts/aot_plan.py chose for h100x8
+  """mesh.shape, rollout.max_rows and kv_pages are what `python -m exgrpo_jax.aot plan` chose for h100x8
   from the compiler's figures (docs/results/aot_<name>_h100x8.json, docs/aot.md)."""
   base = name.removesuffix("_instruct")  # the instruct models have their base's shapes
   path = os.path.join(os.path.dirname(CONFIG_DIR), "docs", "results", f"aot_{base}_h100x8.json")

@@ -185,15 +185,15 @@ COMMANDS = [
             "--config=configs/qwen7b.py --target=h100x8", covered=AOT_CLI),
     Command(".aot/gpu/bin/python -m exgrpo_jax.aot --config=configs/qwen1_5b.py:runlocal "
             "--target=h100x8 --layers=2", covered=AOT_CLI),
-    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python scripts/aot_plan.py "
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot plan "
             "--config=configs/qwen7b.py --target=h100x8 "
             "--out=docs/results/aot_qwen7b_h100x8.json",
             skip="4-17 minutes of compiles per config and target in the AOT environment; its "
             "outputs are docs/results/aot_*.json, which configs_test holds the configs to"),
-    Command("python scripts/aot_plan.py --render docs/results/aot_*.json",
-            run="{python} scripts/aot_plan.py --render docs/results/aot_*.json",
+    Command("python -m exgrpo_jax.aot plan --render docs/results/aot_*.json",
+            run="{python} -m exgrpo_jax.aot plan --render docs/results/aot_*.json",
             expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 1024 \| 137800 \|"),
-    Command("python scripts/aot_plan.py --render docs/results/aot_*.json --estimate",
+    Command("python -m exgrpo_jax.aot plan --render docs/results/aot_*.json --estimate",
             covered="tests/aot_lengths_test.py::"
             "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
     Command("python scripts/bench_attention_memory.py",

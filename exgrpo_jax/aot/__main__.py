@@ -1,14 +1,20 @@
-r"""Compiles every program of a config's training step for a TPU slice or GPU node, here.
+r"""Does a config fit a TPU slice or GPU node, and how long is its step: compiled here.
 
   python -m exgrpo_jax.aot --config=configs/qwen7b.py --target=v5p-8 \
       [--config.mesh.shape='(2, 2)' --config.rollout.max_rows=384 ...] [--layers=2] \
       [--parts=learner] [--out=aot.json]
+  python -m exgrpo_jax.aot plan --config=configs/qwen7b.py --target=v5p-8 --out=plan.json
+  python -m exgrpo_jax.aot plan --render docs/results/aot_*.json [--estimate]
 
 Run it in an environment with the target's compiler (`bash scripts/aot_env.sh tpu` or
-`gpu`; docs/aot.md, "Ahead-of-time check"). It prints one row per program (compile time,
-peak memory per device against the usable memory, FLOPs, collectives, a roofline
-estimate), writes the JSON report to --out, and exits 1 naming the first program that
-does not compile or does not fit (0 when all do; 2 on a bad flag or config key).
+`gpu`; docs/aot.md). The first form compiles every program of the config's training
+step as it is: one row per program (compile time, peak memory per device against the
+usable memory, FLOPs, collectives, a roofline estimate), the JSON report to --out, and
+exit 1 naming the first program that does not compile or does not fit (0 when all do;
+2 on a bad flag or config key). `--layers=N` compiles N of the model's layers, a quick
+look whose memory and time are not the whole model's: it says so and gives no step
+estimate. `plan` searches the mesh, micro-batch, rollout slots and KV pool that fit
+(`plan_cli`, `plan`).
 """
 
 import sys
@@ -46,6 +52,7 @@ _HEADER = ("program", "compile s", "peak GiB", "+ beside", "usable", "args", "te
 def table(report: dict) -> str:
   """The report's programs as an aligned text table."""
   rows = [_HEADER]
+  partial = report.get("partial")
   for p in report["programs"]:
     if p["error"]:
       rows.append((p["name"], f"{p['compile_s']:.1f}") + ("-",) * (len(_HEADER) - 2))
@@ -64,7 +71,11 @@ def table(report: dict) -> str:
     if p["error"]:
       lines.append(f"{p['name']}: {p['error']}")
   estimate = report["step_estimate"]
-  if estimate is None:
+  if partial:
+    lines.insert(0, f"{partial} compiled: memory and time not for the whole model (no "
+                 "verdict on its fit, no step estimate; drop --layers for them)")
+    lines.append(f"{partial} compiled: the figures above are not the whole model's")
+  elif estimate is None:
     lines.append("no estimate of one training step: it lacks "
                  + ", ".join(report["step_estimate_lacks"]) + " (not compiled or not fitting)")
   else:
@@ -104,4 +115,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  if sys.argv[1:2] == ["plan"]:
+    from exgrpo_jax.aot import plan_cli  # pylint: disable=g-import-not-at-top
+    sys.exit(plan_cli.main(sys.argv[2:]))
   app.run(main, flags_parser=config_cli.flags_parser(_CONFIG, "exgrpo_jax.aot"))

@@ -123,6 +123,9 @@ def run(config, target_name: str, *, layers: int | None = None,
   kind = devices[0].device_kind
   attention.check_supported(config.model.attention, devices[0].platform, kind)
   cfg = model_config(config, layers)
+  whole = model_config(config).num_layers
+  if layers and layers > whole:
+    raise cli.UsageError(f"--layers={layers}: the model has {whole} layers")
   progress(f"[aot] {target_name}: {len(devices)} x {kind}, mesh "
            f"{dict(mesh.shape)}, {cfg.num_layers} layers; usable "
            f"{targets.usable_bytes(target) / GIB:.2f} GiB per device")
@@ -140,7 +143,7 @@ def run(config, target_name: str, *, layers: int | None = None,
         f"{result.compile_s:.1f} s, peak {result.peak_bytes / GIB:.2f} GiB, with what "
         f"stays beside it {result.device_peak_bytes / GIB:.2f} GiB")))
   return report(config, cfg, target_name, target, mesh, results, slices,
-                [p.name for p in step_programs])
+                [p.name for p in step_programs], whole_layers=whole)
 
 
 def step_estimate(results, step_names) -> tuple[dict | None, list[str]]:
@@ -161,11 +164,18 @@ def step_estimate(results, step_names) -> tuple[dict | None, list[str]]:
   return step, []
 
 
-def report(config, cfg, target_name, target, mesh, results, slices, step_names) -> dict:
+def report(config, cfg, target_name, target, mesh, results, slices, step_names,
+           whole_layers: int | None = None) -> dict:
   """The JSON report: target, mesh, model, batch, every program, the step estimate
-  (None, with the programs it lacks, unless every program of the step fits)."""
+  (None, with the programs it lacks, unless every program of the step fits). `partial`
+  says how many of the model's `whole_layers` were compiled where not all were: its
+  figures are not the whole model's, and it has no step estimate."""
   failed = next((r for r in results if not r.fits), None)
   step, lacking = step_estimate(results, step_names)
+  partial = None
+  if whole_layers and cfg.num_layers < whole_layers:
+    partial = f"{cfg.num_layers} of {whole_layers} layers"
+    step, lacking = None, [f"the whole model ({partial} compiled)"]
   return dict(
       target=dict(name=target_name, slices=slices, **dataclasses.asdict(target)),
       mesh=dict(mesh.shape), devices=mesh.size, jax=jax.__version__,
@@ -182,7 +192,7 @@ def report(config, cfg, target_name, target, mesh, results, slices, step_names) 
                  max_rows=config.rollout.max_rows, kv_pages=config.rollout.kv_pages),
       programs=[dataclasses.asdict(r) | dict(device_peak_bytes=r.device_peak_bytes,
                                              fits=r.fits) for r in results],
-      ok=failed is None,
+      partial=partial, ok=failed is None,
       first_failure=None if failed is None else failure_line(failed),
       step_estimate=step, step_estimate_lacks=lacking)
 

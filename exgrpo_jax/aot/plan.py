@@ -1,13 +1,5 @@
-r"""Chooses a paper config's mesh, micro-batch, rollout slots and KV pool for a target
-from the compiler's figures, and writes the report of the chosen settings (JSON).
-
-  .aot/gpu/bin/python scripts/aot_plan.py --config=configs/qwen7b.py --target=h100x8 \
-      --out=docs/results/aot_qwen7b_h100x8.json
-  .aot/tpu/bin/python scripts/aot_plan.py --config=configs/llama8b.py --target=v6e-8 \
-      --like docs/results/aot_llama8b_v6e-8.json --meshes 4,8 --out=...  # no new search
-  python scripts/aot_plan.py --render docs/results/aot_*.json     # docs/aot.md's table
-  python scripts/aot_plan.py --render docs/results/aot_qwen7b_*.json --estimate \
-      [--lengths RECORD.json | --mean 3501 --cap-share 0.09]      # at real lengths
+r"""The planner: a config's mesh, micro-batch, rollout slots and KV pool for a target,
+chosen from the compiler's figures (`python -m exgrpo_jax.aot plan`, `plan_cli`).
 
 For each mesh fsdp x tensor over the target's devices (tensor 1, 2, 4, and 8 where the
 query heads divide), all layers compiled (`exgrpo_jax.aot`):
@@ -33,30 +25,28 @@ config's choice (the instruct models have their base model's shapes), its admiss
 too, and compiles it; a plan as its own `--like` redoes its admission without the search.
 """
 
-import argparse
-import glob
-import importlib
-import json
 import math
 import os
 import re
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from exgrpo_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from exgrpo_jax import config_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax import config_cli
+from exgrpo_jax.aot import targets
 
 GIB = 2 ** 30
 STEP = 64
 ADMISSION_TRIES = 4  # compiles of the capacity, each lowered by what the last lacked
 
 
-def _config(name: str, tensor: int, devices: int, micro: int, max_rows: int,
+def config_name(spec: str) -> str:
+  """A config's short name, `configs/qwen7b.py[:ARG]` -> `qwen7b[:ARG]`."""
+  path, _, arg = spec.partition(":")
+  return os.path.basename(path).removesuffix(".py") + (f":{arg}" if arg else "")
+
+
+def _config(spec: str, tensor: int, devices: int, micro: int, max_rows: int,
             kv_pages: int = 0):
-  config = importlib.import_module(f"configs.{name}").get_config()
+  config = config_cli.load(spec)
   with config.unlocked():
     config.mesh.shape = (devices // tensor, tensor)
     config.optim.micro_batch_size = micro
@@ -80,15 +70,16 @@ def _need(failure: str) -> float:
 class Planner:
   """Runs the compiles of one config on one target and keeps what each one said."""
 
-  def __init__(self, name: str, target: str):
+  def __init__(self, spec: str, target: str):
     from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
-    self.check, self.name, self.target = check, name, target
+    self.check, self.spec_path, self.target = check, spec, target
+    self.name = config_name(spec)
     self.spec = targets.get(target)
     self.usable = targets.usable_bytes(self.spec) / GIB
     self.search = []
 
   def compile(self, tensor, micro, max_rows, parts, kv_pages=0) -> dict:
-    config = _config(self.name, tensor, self.spec.devices, micro, max_rows, kv_pages)
+    config = _config(self.spec_path, tensor, self.spec.devices, micro, max_rows, kv_pages)
     print(f"[plan] {self.name} {self.target} tensor={tensor} micro={micro} "
           f"max_rows={max_rows} kv_pages={kv_pages} {'+'.join(parts)}", file=sys.stderr,
           flush=True)
@@ -190,13 +181,16 @@ def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, mo
   return max(unit, min(most, guess) // unit * unit)
 
 
-def plan(name: str, target: str, like: dict | None = None,
+def plan(spec: str, target: str, like: dict | None = None,
          meshes: tuple[int, ...] = ()) -> dict:
-  """The search and the chosen settings' report; `like` (another config's plan on the
-  same target, with the same shapes) skips the search and takes its choice, or its
-  candidates of tensor sizes `meshes` (the mesh is then chosen among them)."""
-  planner = Planner(name, target)
-  base = importlib.import_module(f"configs.{name}").get_config()
+  """The search and the chosen settings' report for the config file `spec`
+  (`FILE.py[:ARG]`); `like` (another config's plan on the same target, with the same
+  shapes) skips the search and takes its choice, or its candidates of tensor sizes
+  `meshes` (the mesh is then chosen among them). `fits` is False where nothing fits,
+  and `verdict` says why."""
+  planner = Planner(spec, target)
+  name = planner.name
+  base = config_cli.load(spec)
   rows = base.train.batch_questions * base.rollout.k
   heads = planner.check.model_config(base).num_heads
   candidates = []
@@ -208,7 +202,7 @@ def plan(name: str, target: str, like: dict | None = None,
     max_rows = planner.rollout(tensor, rows, unit) if micro else 0
     candidates.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows))
   fitting = [c for c in candidates if c["micro_batch_size"] and c["max_rows"]]
-  result = dict(config=f"configs/{name}.py", target=target, usable_gib=planner.usable,
+  result = dict(config=spec, target=target, usable_gib=planner.usable,
                 candidates=candidates, search=planner.search,
                 searched_as=like["config"] if like else None)
   if like and meshes:
@@ -292,165 +286,3 @@ def pool_bound(report: dict) -> float:
   return (decode["usable_bytes"] - fixed) / row_bytes
 
 
-def decode_step_bytes(report: dict) -> float:
-  """What one decode step reads from HBM per device in the roofline (`decode_chunk`'s
-  bytes per call less those once per call, `analysis.call_bytes`, over its steps): the
-  weights and the pool's pages the step attends to (every page before the kernel, its
-  live pages with it)."""
-  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
-  decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
-  steps = int(re.match(r"(\d+) decode steps", decode["purpose"])[1])
-  return (decode["hbm_bytes_per_call"] - analysis.call_bytes(decode)) / steps
-
-
-def prefill_seconds(report: dict) -> float:
-  """The roofline seconds per step of the prompts' prefill (`admit`) and its copy into
-  the pool's pages (`place`): the most that prefilling through the paged-attention
-  kernel, straight into pages, could save."""
-  return sum(p["roofline_s"] * p["calls_per_step"] for p in report["programs"]
-             if p["name"] in ("admit", "place"))
-
-
-def render(paths) -> str:
-  """docs/aot.md's tables: per config and target, the chosen settings, the pool's bound on
-  the rows (`pool_bound`) and the compiler's per-device peaks (GiB) of the learner step
-  and the largest rollout program, with the
-  verdict of each that does not fit below; then the roofline estimate of one training
-  step with them, the HBM bytes of one decode step (`decode_step_bytes`) and the
-  prefill's part of the rollout (`prefill_seconds`)."""
-  lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | kv_pages "
-           "| pool bound | learner peak | rollout peak (program) | usable |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  estimates = ["| config | target | rows per call | decode GiB per step | rollout s "
-               "| of it prefill s | old-log-prob recompute s | learner s | step s |",
-               "|---|---|---|---|---|---|---|---|---|"]
-  verdicts = []
-  plans = []
-  for path in paths:
-    with open(path, encoding="utf-8") as f:
-      p = json.load(f)
-    if "config" in p:  # not a plan (aot_accelerator_learner.json)
-      plans.append((p["config"].removeprefix("configs/").removesuffix(".py"), p))
-  for name, p in sorted(plans, key=lambda t: (t[0], t[1]["target"])):
-    if not p["fits"] or "report" not in p:
-      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | | | "
-                   f"| {p['usable_gib']:.2f} |")
-      verdicts.append(f"- {p['verdict']}")
-      continue
-    programs = {q["name"]: q for q in p["report"]["programs"]}
-    rollout = max((q for q in programs.values() if q["name"] not in ("learner_step", "score")),
-                  key=lambda q: q["device_peak_bytes"])
-    c, est = p["chosen"], p["report"]["step_estimate"]
-    lines.append(
-        f"| {name} | {p['target']} | {p['report']['mesh'].get('fsdp', 1)} x "
-        f"{p['report']['mesh'].get('tensor', 1)} | {c['micro_batch_size']} | {c['max_rows']} "
-        f"| {c.get('kv_pages') or 'all rows'} | {pool_bound(p['report']):.0f} "
-        f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
-        f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
-        f"| {p['usable_gib']:.2f} |")
-    estimates.append(f"| {name} | {p['target']} | {c['max_rows']} "
-                     f"| {decode_step_bytes(p['report']) / GIB:.2f} | {est['rollout_s']:.0f} "
-                     f"| {prefill_seconds(p['report']):.1f} "
-                     f"| {est['old_logp_recompute_s']:.0f} | {est['learner_s']:.0f} "
-                     f"| {est['total_s']:.0f} |")
-  return "\n".join(lines + ([""] + verdicts if verdicts else []) + [""] + estimates)
-
-
-def _plan_files(parser, patterns: list[str]) -> list[str]:
-  """The files `--render` names; a pattern matching nothing is a bad argument."""
-  paths = []
-  for pattern in patterns:
-    found = sorted(glob.glob(pattern))
-    if not found:
-      parser.error(f"--render {pattern}: no such file")
-    paths += found
-  return paths
-
-
-def _read_plan(parser, flag: str, path: str) -> dict:
-  """A plan JSON file, or one line naming what is wrong with it (exit status 2)."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      plan_ = json.load(f)
-  except OSError as e:
-    parser.error(f"{flag} {path}: {e.strerror}")
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    parser.error(f"{flag} {path}: not a JSON file ({e})")
-  if not isinstance(plan_, dict):
-    parser.error(f"{flag} {path}: not a plan (a JSON object written by this script)")
-  return plan_
-
-
-def _estimates(parser, args, plans: dict) -> str:
-  """`lengths.table` of the fitting plans, or one line naming the bad length argument."""
-  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
-  if args.mean is not None and not (args.mean > 0 and 0 <= args.cap_share < 1):
-    parser.error(f"--mean {args.mean:g} --cap-share {args.cap_share:g}: give a mean above "
-                 "0 and a share at the cap in [0, 1)")
-  named = sorted(((p["config"].removeprefix("configs/").removesuffix(".py"), p)
-                  for p in plans.values() if p.get("fits") and "report" in p),
-                 key=lambda t: (t[0], t[1]["target"]))
-  try:
-    return lengths.table(named, path=args.lengths, mean=args.mean, cap_share=args.cap_share)
-  except OSError as e:
-    parser.error(f"--lengths {args.lengths}: {e.strerror}")
-  except ValueError as e:
-    parser.error(str(e))
-
-
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="aot_plan.py", description=__doc__.split("\n")[0])
-  parser.add_argument("--config", help="configs/NAME.py")
-  parser.add_argument("--target", choices=list(targets.TARGETS))
-  parser.add_argument("--out")
-  parser.add_argument("--like", help="a plan JSON of a config with the same shapes on the "
-                      "same target: compile its choice instead of searching")
-  parser.add_argument("--meshes", default="", help="with --like: settle these of its "
-                      "candidates (tensor sizes, e.g. 4,8) and choose among them")
-  parser.add_argument("--render", nargs="+", help="render these plan JSON files")
-  parser.add_argument("--estimate", action="store_true", help="with --render: the "
-                      "rollout's seconds at real lengths too (exgrpo_jax.aot.lengths): the "
-                      "three scenarios, or --lengths / --mean, and all rows at the cap")
-  parser.add_argument("--lengths", help="scripts/record_rollout_lengths.py's JSON")
-  parser.add_argument("--mean", type=float, help="a mean response length (tokens)")
-  parser.add_argument("--cap-share", type=float, default=0.0,
-                      help="with --mean: the share of responses at the cap")
-  args = parser.parse_args(argv)
-  if args.render:
-    paths = _plan_files(parser, args.render)
-    plans = {path: _read_plan(parser, "--render", path) for path in paths}
-    if not any("config" in p for p in plans.values()):
-      parser.error(f"--render: none of {', '.join(paths)} is a plan (no 'config' key)")
-    print(render(paths))
-    if args.estimate:
-      print("\n" + _estimates(parser, args, plans))
-    return
-  if not (args.config and args.target and args.out):
-    parser.error("give --config, --target and --out (or --render FILES)")
-  # The planner imports configs.NAME: the file must be one of the repository's configs.
-  name = os.path.basename(args.config).removesuffix(".py")
-  if not os.path.isfile(os.path.join(REPO, "configs", f"{name}.py")):
-    parser.error(f"--config={args.config}: no such config in {os.path.join(REPO, 'configs')}")
-  problem = config_cli.config_problem([f"--config={os.path.join(REPO, 'configs', name)}.py"])
-  if problem:
-    parser.error(problem)
-  like = _read_plan(parser, "--like", args.like) if args.like else None
-  try:
-    meshes = tuple(int(t) for t in args.meshes.split(",")) if args.meshes else ()
-  except ValueError:
-    parser.error(f"--meshes {args.meshes}: give tensor sizes, e.g. 4,8")
-  if meshes and not (like and {c["tensor"] for c in like.get("candidates", [])} >= set(meshes)):
-    parser.error(f"--meshes {args.meshes}: needs --like a searched plan with those candidates")
-  try:
-    cli.check_writable(args.out)  # before minutes of compiles, not after them
-  except OSError as e:
-    parser.error(str(e))
-  targets.prepare_environment()
-  result = plan(name, args.target, like, meshes)
-  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
-  check.save(result, args.out)
-  print(result["verdict"])
-
-
-if __name__ == "__main__":
-  main()
