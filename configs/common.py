@@ -66,8 +66,8 @@ def base_config() -> ml_collections.ConfigDict:
       matmul_precision="auto",
   ))
 
-  # Relative data paths resolve against `dir`; "" = $EXGRPO_DATA_DIR, else
-  # ~/.cache/exgrpo_jax/data (where `python -m exgrpo_jax.prepare_data` writes).
+  # Relative data paths: the working directory's where they exist there, else under `dir`;
+  # "" = $EXGRPO_DATA_DIR, else ~/.cache/exgrpo_jax/data (where prepare_data writes).
   c.data = ml_collections.ConfigDict(dict(
       dir="",
       source="file",          # file (train_path) | arithmetic (generated, no files) | reasoning_gym

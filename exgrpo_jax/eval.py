@@ -5,8 +5,9 @@
       --data ood_arc_c.parquet --out results.json
   python -m exgrpo_jax.eval --data arithmetic --reward-module my_rewards --reward last_int
 
-A --data path is relative to the working directory, or, where no such file is there, to
-the data directory that `python -m exgrpo_jax.prepare_data` fills (docs/data.md, "Data").
+A relative --data path is read from the working directory where it exists there, else from
+the data directory that `python -m exgrpo_jax.prepare_data` fills (docs/data.md, "Data"),
+as training's `data.train_path` is.
 
 PATH is an HF directory, a .gguf file, or an exgrpo_jax training workdir / checkpoint
 step directory; without --model the embedded SmolLM2-135M-Instruct is used. Defaults
@@ -31,7 +32,6 @@ counts exceptions.
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -169,9 +169,7 @@ def _load(args) -> tuple[list[data.Question], int]:
           for q in data.arithmetic.make_questions(settings, "eval")], [])
       task_budget = max(task_budget, ARITHMETIC_MAX_NEW_TOKENS)
     else:
-      # Relative to the working directory, else to the data directory (prepare_data's).
-      loaded = data.load_questions(path, reward_name=args.reward,
-                                   data_dir=os.getcwd() if os.path.exists(path) else "")
+      loaded = data.load_questions(path, reward_name=args.reward)
       task_budget = max(task_budget, FILE_MAX_NEW_TOKENS)
     for message in loaded.skipped:
       log(f"[eval] skipped {message}")

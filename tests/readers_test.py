@@ -1,5 +1,7 @@
-"""The data users bring: formats, schemas, lists, data.dir, and one-line errors for bad data."""
+"""The data users bring: formats, schemas, lists, where relative paths are looked up, and
+one-line errors for bad data."""
 
+import importlib
 import json
 import subprocess
 import sys
@@ -9,6 +11,9 @@ import pytest
 
 from exgrpo_jax import data
 from exgrpo_jax.data import readers
+from exgrpo_jax.data import sources
+from exgrpo_jax.rewards import graders
+from exgrpo_jax.training import config_check
 from tests import conftest
 
 
@@ -90,9 +95,63 @@ def test_relative_paths_resolve_against_data_dir_then_the_environment(tmp_path, 
   with pytest.raises(data.DataError) as e:
     data.load_questions("toy.parquet", data_dir=str(other))
   assert str(e.value) == (
-      f"{other}/toy.parquet: no such file (data files resolve against data.dir="
-      f"'{other}'); download the paper's data with: python -m exgrpo_jax.prepare_data "
-      f"--out {other}")
+      f"toy.parquet: no such file in the working directory ({conftest.REPO_ROOT}) or the "
+      f"data directory (data.dir='{other}'); the paper's data files download there with: "
+      f"python -m exgrpo_jax.prepare_data --out {other}")
+  # Only a bare name can be one of the paper's files; an absolute path is only itself.
+  assert readers.missing("mine/toy.parquet", str(other)) == (
+      f"mine/toy.parquet: no such file in the working directory ({conftest.REPO_ROOT}) or "
+      f"the data directory (data.dir='{other}')")
+  assert readers.missing(f"{other}/toy.parquet") == f"{other}/toy.parquet: no such file"
+
+
+def test_a_relative_path_that_exists_in_the_working_directory_is_read_from_there(
+    tmp_path, monkeypatch):
+  prepared, here = tmp_path / "prepared", tmp_path / "here"
+  for directory, answer in ((prepared, "2"), (here, "4")):
+    (directory / "sub").mkdir(parents=True)
+    _write_jsonl(directory / "sub" / "toy.jsonl", [{"problem": "x?", "answer": answer}])
+  _write_jsonl(prepared / "only_prepared.jsonl", [{"problem": "y?", "answer": "6"}])
+  monkeypatch.chdir(here)
+  c = importlib.import_module("configs.tiny").get_config()
+  c.data.source, c.data.dir = "file", str(prepared)
+  c.data.train_path = "sub/toy.jsonl, only_prepared.jsonl"
+  config_check.check(c)
+  loaded = sources.load(c, "train")
+  assert [q.ground_truth for q in loaded.questions] == ["4", "6"]
+  assert readers.resolve("sub/toy.jsonl", str(prepared)) == str(here / "sub" / "toy.jsonl")
+  assert readers.resolve("only_prepared.jsonl", str(prepared)) == str(
+      prepared / "only_prepared.jsonl")
+
+
+def test_question_and_answer_without_hashes_is_generic_math(tmp_path):
+  path = tmp_path / "own.jsonl"
+  _write_jsonl(path, [{"question": "What is 2+3?", "answer": "5"},
+                      {"question": "Half of 9?", "answer": "\\frac{9}{2}", "level": 1},
+                      {"question": "Seven?", "answer": 7}])
+  loaded = data.load_questions(str(path)).questions
+  assert [(q.problem, q.ground_truth, q.data_source, q.reward_name, q.extra)
+          for q in loaded] == [
+              (f"What is 2+3? {data.BOXED_INSTRUCTION}", "5", "own", "math_verify", {}),
+              (f"Half of 9? {data.BOXED_INSTRUCTION}", "\\frac{9}{2}", "own", "math_verify",
+               {"level": 1}),
+              (f"Seven? {data.BOXED_INSTRUCTION}", "7", "own", "math_verify", {})]
+  assert graders.grade("So \\boxed{4.5}.", loaded[1].ground_truth, loaded[1].reward_name,
+                       False) == (1.0, graders.OK)
+  _write_jsonl(path, [{"question": "6*7?", "solution": "6*7 = \\boxed{42}"}])
+  assert [q.ground_truth for q in data.load_questions(str(path)).questions] == ["42"]
+  # Bad rows of such a file are one line, as in any other.
+  _write_jsonl(path, [{"question": "1+1?", "answer": "2"}, {"question": "x", "answer": None}])
+  with pytest.raises(data.DataError) as e:
+    data.load_questions(str(path))
+  assert str(e.value) == f"{path}: row 1, column 'answer': null value"
+  # A file whose answers hold '####' is GSM8K: each answer must end in '#### N'.
+  _write_jsonl(path, [{"question": "1+1?", "answer": "1+1=2\n#### 2"},
+                      {"question": "2+2?", "answer": "4"}])
+  with pytest.raises(data.DataError) as e:
+    data.load_questions(str(path))
+  assert str(e.value) == (f"{path}: row 1, column 'answer': no '#### <number>' final answer "
+                          "in '4' (read as GSM8K: answers in this file hold '####')")
 
 
 def test_unreadable_jsonl_lines_name_file_line_and_row_and_can_be_skipped(tmp_path):
@@ -230,11 +289,12 @@ def test_hub_names(monkeypatch):
 def test_train_reports_bad_data_in_one_line(tmp_path):
   path = tmp_path / "broken.jsonl"
   path.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": \n')
+  # A relative train_path: read from the working directory.
   result = subprocess.run(
-      [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
-       f"--workdir={tmp_path / 'run'}", "--config.data.source=file",
-       f"--config.data.train_path={path}"],
-      cwd=conftest.REPO_ROOT, capture_output=True, text=True, timeout=600,
+      [sys.executable, "-m", "exgrpo_jax.train",
+       f"--config={conftest.REPO_ROOT}/configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+       "--config.data.source=file", "--config.data.train_path=broken.jsonl"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=600,
       env=conftest.subprocess_env(JAX_PLATFORMS="cpu"))
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
@@ -248,7 +308,7 @@ def test_eval_data_paths_try_the_working_directory_then_the_data_dir(tmp_path, m
   from exgrpo_jax import eval as eval_cli  # pylint: disable=g-import-not-at-top
   (tmp_path / "prepared").mkdir()
   _write_jsonl(tmp_path / "prepared" / "toy.jsonl", [{"problem": "1+1?", "answer": "2"}])
-  _write_jsonl(tmp_path / "local.jsonl", [{"problem": "2+2?", "answer": "4"}])
+  _write_jsonl(tmp_path / "local.jsonl", [{"question": "2+2?", "answer": "4"}])
   monkeypatch.setenv(readers.ENV_VAR, str(tmp_path / "prepared"))
   monkeypatch.chdir(tmp_path)
   # Both files are found; the source filter then leaves nothing (before any model loads).
@@ -257,4 +317,5 @@ def test_eval_data_paths_try_the_working_directory_then_the_data_dir(tmp_path, m
       capsys.readouterr().err)
   assert eval_cli.main(["--data", "nope.parquet"]) == 1
   assert capsys.readouterr().err.startswith(
-      f"error: {tmp_path}/prepared/nope.parquet: no such file")
+      f"error: nope.parquet: no such file in the working directory ({tmp_path}) or the data "
+      f"directory (data.dir='{tmp_path}/prepared')")

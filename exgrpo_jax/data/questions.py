@@ -7,13 +7,15 @@ comma-separated list of those). Whatever the container, the columns pick the sch
   `reward_model.ground_truth` (plus optional `extra_info`, `level`, `type`, ...).
 * TRL: `prompt` (text or chat messages) plus `solution` or `answer`.
 * GSM8K: `question`, `answer` (a solution ending `#### <number>`), optional `data_source`
-  and `sample_id`.
-* problem: `problem` plus `answer` or `solution` (MATH's columns).
+  and `sample_id`. A file is GSM8K when any of its answers holds `####`; then every answer
+  must end in `#### <number>`, which becomes the ground truth.
+* problem: `problem` (or `question`, in a file none of whose answers holds `####`) plus
+  `answer` or `solution` (MATH's columns): generic math, the answer as it is.
 
 A `solution` without an `answer` gives the ground truth as its last `\\boxed{}` (the whole
 text when it has none). Rows without `data_source` take the file's name. Bare questions
-(GSM8K, problem) get the `\\boxed{}` instruction of math_train.parquet's prompts; TRL
-prompts are used as given.
+(GSM8K, question, problem) get the `\\boxed{}` instruction of math_train.parquet's
+prompts; TRL prompts are used as given.
 
 Every question gets `uid` = its row index (across the files of a list, in order; the
 replay buffer keys on it), so uids are stable across runs and restarts as long as the data
@@ -31,7 +33,7 @@ from exgrpo_jax.data import readers
 from exgrpo_jax.data.readers import DataError
 from exgrpo_jax.rewards import graders
 
-# Appended to bare questions (GSM8K, JSONL): the wording of math_train.parquet's prompts.
+# Appended to bare questions (GSM8K, question, problem): math_train.parquet's wording.
 BOXED_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
@@ -123,7 +125,9 @@ def load_questions(path: str, *, skip_bad_rows: bool = False, limit: int = 0,
 _SCHEMAS = {"verl": (("data_source", "prompt", "reward_model"), ()),
             "TRL": (("prompt",), ("solution", "answer")),
             "GSM8K": (("question", "answer"), ()),
+            "question": (("question",), ("answer", "solution")),
             "problem": (("problem",), ("answer", "solution"))}
+_GSM8K_MARK = "####"
 
 
 def _parser(table: readers.Table):
@@ -134,15 +138,18 @@ def _parser(table: readers.Table):
     schema, parse = "verl", _verl_question
   elif "prompt" in columns:
     schema, parse = "TRL", _trl_question
-  elif "question" in columns:
+  elif "question" in columns and _has_gsm8k_answers(table.rows):
     schema, parse = "GSM8K", _gsm8k_question
+  elif "question" in columns:
+    schema, parse = "question", _bare_question("question")
   elif "problem" in columns:
-    schema, parse = "problem", _problem_question
+    schema, parse = "problem", _bare_question("problem")
   else:
     raise DataError(f"{table.name}: unrecognised schema (columns: "
                     f"{', '.join(sorted(columns)) or 'none'}); expected verl (data_source, "
                     "prompt, reward_model), TRL (prompt, solution or answer), GSM8K "
-                    "(question, answer) or problem (problem, answer or solution)")
+                    "(question, answer ending '#### N'), question (question, answer or "
+                    "solution) or problem (problem, answer or solution)")
   needed, one_of = _SCHEMAS[schema]
   missing = [c for c in needed if c not in columns]
   if one_of and not columns & set(one_of):
@@ -151,6 +158,12 @@ def _parser(table: readers.Table):
     raise DataError(f"{table.name}: missing column '{missing[0]}' for the {schema} schema "
                     f"(columns: {', '.join(sorted(columns))})")
   return parse
+
+
+def _has_gsm8k_answers(rows: list) -> bool:
+  """Whether any row's `answer` holds GSM8K's `####` (then the file is read as GSM8K)."""
+  return any(isinstance(row, dict) and isinstance(row.get("answer"), str)
+             and _GSM8K_MARK in row["answer"] for row in rows)
 
 
 def _is_null(value) -> bool:
@@ -226,7 +239,8 @@ def _gsm8k_question(uid: int, row: dict, stem: str) -> Question:
   match = _GSM8K_FINAL.search(solution)
   final = match.group(1).replace(",", "").replace("$", "").strip() if match else ""
   if not _NUMBER.fullmatch(final):
-    raise _RowError("answer", f"no '#### <number>' final answer in {solution[-60:]!r}")
+    raise _RowError("answer", f"no '#### <number>' final answer in {solution[-60:]!r} "
+                    "(read as GSM8K: answers in this file hold '####')")
   data_source = _source(row, stem)
   extra = {"solution": solution}
   if not _is_null(row.get("sample_id")):
@@ -236,7 +250,8 @@ def _gsm8k_question(uid: int, row: dict, stem: str) -> Question:
 
 
 def _answer(row: dict) -> str:
-  """The ground truth of a TRL/problem row: `answer`, else the solution's last \\boxed{}."""
+  """The ground truth of a TRL/question/problem row: `answer`, else the solution's
+  last \\boxed{}."""
   answer, solution = row.get("answer"), row.get("solution")
   if not _is_null(answer) or _is_null(solution):
     return _text(answer, "answer", empty_unusable=True)
@@ -259,8 +274,13 @@ def _trl_question(uid: int, row: dict, stem: str) -> Question:
                   _rest(row, "prompt", "answer", "data_source"))
 
 
-def _problem_question(uid: int, row: dict, stem: str) -> Question:
-  problem = _text(row.get("problem"), "problem")
-  messages = ({"role": "user", "content": f"{problem} {BOXED_INSTRUCTION}"},)
-  return Question(uid, messages, _answer(row), _source(row, stem), "",
-                  _rest(row, "problem", "answer", "data_source"))
+def _bare_question(column: str):
+  """The parser of a bare question in `column` ("problem" or "question") with its answer."""
+
+  def parse(uid: int, row: dict, stem: str) -> Question:
+    problem = _text(row.get(column), column)
+    messages = ({"role": "user", "content": f"{problem} {BOXED_INSTRUCTION}"},)
+    return Question(uid, messages, _answer(row), _source(row, stem), "",
+                    _rest(row, column, "answer", "data_source"))
+
+  return parse

@@ -11,8 +11,10 @@ A data spec (`data.train_path`, `eval.path`) is one source, or several separated
                                         any, else all), read in name order
   hf:OWNER/NAME[/CONFIG][@SPLIT]        a Hugging Face hub dataset (online; default train)
 
-Relative paths resolve against the data directory: `data.dir`, else `$EXGRPO_DATA_DIR`,
-else `~/.cache/exgrpo_jax/data`, where `python -m exgrpo_jax.prepare_data` writes. Which
+A relative path that exists in the working directory is read from there; any other
+relative path resolves against the data directory: `data.dir`, else `$EXGRPO_DATA_DIR`,
+else `~/.cache/exgrpo_jax/data`, where `python -m exgrpo_jax.prepare_data` writes the
+paper's files (so the configs' bare names find them from any directory). Which
 columns a table needs is `questions.py`'s business; here a row is a dict, or a `BadRow`
 when the bytes of that row could not be read (not UTF-8, not JSON).
 """
@@ -65,9 +67,13 @@ def split_spec(spec: str) -> list[str]:
 
 
 def resolve(part: str, data_dir: str = "") -> str:
-  """One source with a relative path made absolute against the data directory."""
+  """One source with a relative path made absolute: the working directory's file or
+  directory where it exists there, else the data directory's."""
+  part = os.path.expanduser(part)
   if part.startswith(HUB_PREFIX) or os.path.isabs(part):
     return part
+  if os.path.exists(_local(part)[0]):
+    return os.path.abspath(part)
   return os.path.join(os.path.expanduser(data_dir or default_dir()), part)
 
 
@@ -84,9 +90,15 @@ def missing(spec: str, data_dir: str = "") -> str | None:
   for part in split_spec(spec):
     path = resolve(part, data_dir)
     if not path.startswith(HUB_PREFIX) and not os.path.exists(_local(path)[0]):
+      if os.path.isabs(os.path.expanduser(part)):
+        return f"{path}: no such file"
       directory = os.path.expanduser(data_dir or default_dir())
-      return (f"{path}: no such file (data files resolve against data.dir={directory!r}); "
-              f"download the paper's data with: {PREPARE} {directory}")
+      line = (f"{part}: no such file in the working directory ({os.getcwd()}) or the data "
+              f"directory (data.dir={directory!r})")
+      if os.sep in part:
+        return line
+      # A bare name may be one of the paper's files, which prepare_data writes there.
+      return f"{line}; the paper's data files download there with: {PREPARE} {directory}"
   return None
 
 
