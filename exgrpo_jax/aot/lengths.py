@@ -224,6 +224,23 @@ def best_slots(report: dict, lengths_R, headroom: float, today: dict | None = No
   return min(estimates, key=lambda e: (round(e["rollout_s"], 6), e["slots"]))
 
 
+def today_estimate(plan: dict, lengths_R) -> dict:
+  """`rollout_estimate` in today's slots, each row's pool at its longest: a plan made
+  with admission had them as its reserved rows (`chosen.reserved_rows`)."""
+  reserved = plan.get("chosen", {}).get("reserved_rows")
+  return rollout_estimate(plan["report"], lengths_R, slots=reserved)
+
+
+def admitting_estimate(plan: dict, lengths_R, headroom: float,
+                       today: dict | None = None) -> dict:
+  """`rollout_estimate` with admission: at the plan's compiled slots and
+  `rollout.kv_pages` where it was planned with them, else at the best slot count over
+  today's pool (`best_slots`; `today`, where already estimated)."""
+  if plan.get("chosen", {}).get("reserved_rows"):
+    return rollout_estimate(plan["report"], lengths_R, headroom=headroom)
+  return best_slots(plan["report"], lengths_R, headroom, today)
+
+
 def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
   """Markdown: per plan, the rollout's roofline seconds as compiled (every row at the
   cap, `check.step_estimate`) and simulated at each distribution (`distributions`), in
@@ -241,15 +258,9 @@ def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
                            *(f"{d} s" for d in dists),
                            *(f"admitting, {d} s" for d in dists)]) + " |",
                "|" + "---|" * (4 + 2 * len(dists))]
-    reserved = plan.get("chosen", {}).get("reserved_rows")
-    if reserved:  # planned with admission: today's engine had the reserved rows' pool
-      today = [rollout_estimate(plan["report"], d, slots=reserved) for d in dists.values()]
-      admitting = [rollout_estimate(plan["report"], d, headroom=headroom)
-                   for d in dists.values()]
-    else:
-      today = [rollout_estimate(plan["report"], d) for d in dists.values()]
-      admitting = [best_slots(plan["report"], d, headroom, t)
-                   for d, t in zip(dists.values(), today)]
+    today = [today_estimate(plan, d) for d in dists.values()]
+    admitting = [admitting_estimate(plan, d, headroom, t)
+                 for d, t in zip(dists.values(), today)]
     lines.append(" | ".join([
         f"| {name} | {plan['target']} | {b['max_rows']}",
         f"{plan['report']['step_estimate']['rollout_s']:.0f}",

@@ -123,14 +123,18 @@ def _read_plan(parser, flag: str, path: str) -> dict:
 def _estimates(parser, args, plans: dict) -> str:
   """`lengths.table` of the fitting plans, or one line naming the bad length argument."""
   from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import step_lengths  # pylint: disable=g-import-not-at-top
   if args.mean is not None and not (args.mean > 0 and 0 <= args.cap_share < 1):
     parser.error(f"--mean {args.mean:g} --cap-share {args.cap_share:g}: give a mean above "
                  "0 and a share at the cap in [0, 1)")
   named = sorted(((plan_lib.config_name(p["config"]), p)
                   for p in plans.values() if p.get("fits") and "report" in p),
                  key=lambda t: (t[0], t[1]["target"]))
+  given = dict(path=args.lengths, mean=args.mean, cap_share=args.cap_share)
   try:
-    return lengths.table(named, path=args.lengths, mean=args.mean, cap_share=args.cap_share)
+    return (lengths.table(named, **given) + "\n\nOne training step (roofline seconds; the "
+            "rollout with admission, the recompute and the learner packed at the same "
+            "lengths):\n\n" + step_lengths.step_table(named, **given))
   except OSError as e:
     parser.error(f"--lengths {args.lengths}: {e.strerror}")
   except ValueError as e:

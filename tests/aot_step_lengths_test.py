@@ -1,0 +1,100 @@
+"""The learner's and the recompute's estimates at real lengths (`aot.step_lengths`):
+today's figures at the cap, and the packer's own micro-batches at a distribution."""
+
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+
+from exgrpo_jax.aot import analysis
+from exgrpo_jax.aot import lengths
+from exgrpo_jax.aot import step_lengths
+from exgrpo_jax.training import experience
+from exgrpo_jax.training import packing
+from tests import conftest
+
+PLANS = sorted(glob.glob(os.path.join(conftest.REPO_ROOT, "docs/results/aot_*_*.json")))
+
+
+def _plans():
+  for path in PLANS:
+    with open(path, encoding="utf-8") as f:
+      plan = json.load(f)
+    if plan.get("fits") and "report" in plan:
+      yield os.path.basename(path), plan
+
+
+@pytest.mark.parametrize("name, plan", list(_plans()))
+def test_every_response_at_the_cap_gives_todays_learner_and_recompute(name, plan):
+  report = plan["report"]
+  b = report["batch"]
+  est = step_lengths.learner_estimate(
+      report, lengths.at_cap(b["response_tokens"], b["questions"] * b["k"]))
+  today = report["step_estimate"]
+  assert est["learner_s"] == pytest.approx(today["learner_s"], rel=1e-9), name
+  assert est["recompute_s"] == pytest.approx(today["old_logp_recompute_s"], rel=1e-9), name
+  assert est["micro_batches"] == [est["micro_batches_compiled"]] * b["mini_batches"]
+
+
+def _seconds(program, share, target):
+  return max(share * program["flops_per_device"] / target["peak_flops"],
+             analysis.call_bytes(program) / target["hbm_bandwidth"])
+
+
+def test_at_a_distribution_the_learner_is_priced_over_the_packers_own_micro_batches():
+  with open(os.path.join(conftest.REPO_ROOT, "docs/results/aot_qwen7b_h100x8.json"),
+            encoding="utf-8") as f:
+    report = json.load(f)["report"]
+  b, target = report["batch"], report["target"]
+  programs = {p["name"]: p for p in report["programs"]}
+  R, rows = b["response_tokens"], b["questions"] * b["k"]
+  micro = b["micro_batch_size"]
+  M = int(programs["learner_step"]["purpose"].split(" micro-batches")[0].split()[-1])
+  T = int(programs["learner_step"]["purpose"].split(" x ")[1].split()[0])
+  lengths_R = lengths.scenario("mid", R, rows)
+  # The actor's split and packing (`Actor.update`, `packing.train_batch`), built here.
+  prompt = np.ones(b["prompt_tokens"], np.int32)
+  responses = [packing.Sequence(prompt, np.ones(n, np.int32), np.zeros(n, np.float32))
+               for n in lengths_R]
+  order = np.random.default_rng(0).permutation(rows)
+  filled = []
+  for part in np.array_split(order, b["mini_batches"]):
+    batch = packing.train_batch([responses[i] for i in part], prompt_len=T - R,
+                                response_len=R, micro_batch=micro, num_micro=M, pad_id=0,
+                                aggregation="token_mean", norm_len=R)
+    filled.append(int(batch.mask_MxBxR.any(axis=(1, 2)).sum()))
+  est = step_lengths.learner_estimate(report, lengths_R)
+  assert est["micro_batches"] == filled and max(filled) < M
+  assert est["learner_s"] == pytest.approx(
+      sum(_seconds(programs["learner_step"], n / M, target) for n in filled), rel=1e-12)
+  # The recompute: every response packed at once, scored micro rows a call.
+  layout = packing.place([len(prompt)] * rows, lengths_R, T - R, R)
+  calls, left = [], layout.num_rows
+  while left > 0:
+    calls.append(experience._batch_size_for(left, micro))  # pylint: disable=protected-access
+    left -= calls[-1]
+  assert est["score_calls"] == len(calls) < rows // micro
+  assert est["recompute_s"] == pytest.approx(
+      sum(_seconds(programs["score"], n / micro, target) for n in calls), rel=1e-12)
+  assert est["learner_s"] < report["step_estimate"]["learner_s"]
+
+
+def test_the_step_table_names_the_largest_part_and_the_measured_efficiency():
+  with open(os.path.join(conftest.REPO_ROOT, "docs/results/aot_qwen7b_h200x8.json"),
+            encoding="utf-8") as f:
+    plan = json.load(f)
+  out = step_lengths.step_table([("qwen7b", plan)], mean=3501, cap_share=0.09)
+  row = next(l for l in out.splitlines() if l.startswith("| qwen7b | h200x8 | mean 3501"))
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  rollout, recompute, learner, step = (float(c) for c in (cells[4], cells[5], cells[6],
+                                                          cells[8]))
+  assert step == pytest.approx(rollout + recompute + learner, abs=1.5)
+  assert cells[9] == max(dict(rollout=rollout, recompute=recompute, learner=learner).items(),
+                         key=lambda kv: kv[1])[0]
+  measured = step_lengths.MEASURED["NVIDIA H200"]
+  assert float(cells[10]) == pytest.approx(
+      rollout / measured["decode"] + (recompute + learner) / measured["learner"], abs=3)
+  assert "one H200, Qwen2.5-1.5B shape, 2026-11-26" in out
+  assert step_lengths.at_measured(dict(device_kind="TPU v5e"), 1.0, 1.0) is None
