@@ -48,7 +48,6 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
-import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
@@ -56,6 +55,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax import sampling  # pylint: disable=g-import-not-at-top
+from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
 from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
@@ -107,21 +107,6 @@ def _overrides(items: list[str], config) -> dict:
 def _set(config, key: str, value) -> None:
   *sections, name = key.split(".")
   functools.reduce(lambda node, part: node[part], sections, config)[name] = value
-
-
-def _matmul_flops_per_s(model_cfg, tokens: int = 1024) -> float:
-  """The float32 matmul rate on this machine: [tokens, D] x [D, F], median of 5 timed
-  calls after a warm-up."""
-  x = jnp.ones((tokens, model_cfg.hidden_size), jnp.float32)
-  w = jnp.ones((model_cfg.hidden_size, model_cfg.intermediate_size), jnp.float32)
-  f = jax.jit(jnp.matmul)
-  f(x, w).block_until_ready()
-  times = []
-  for _ in range(5):
-    t = time.perf_counter()
-    f(x, w).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * x.size * w.shape[1] / float(np.median(times))
 
 
 def _learner_flops(params, groups) -> float:
@@ -200,7 +185,8 @@ def main(argv):
               f"{metrics['sampler_compile_s']:.1f} s)", file=sys.stderr, flush=True)
         if step > _WARMUP.value:
           rows[run].append(dict(metrics, learner_flops=flops[run][-1]))
-    rate = _matmul_flops_per_s(next(iter(trainers.values())).state.model_cfg)
+    model_cfg = next(iter(trainers.values())).state.model_cfg
+    rate, _ = targets.measured_rates(model_cfg.hidden_size, model_cfg.intermediate_size)
     for trainer in trainers.values():
       trainer.close()
 

@@ -98,3 +98,43 @@ def test_the_step_table_names_the_largest_part_and_the_measured_efficiency():
       rollout / measured["decode"] + (recompute + learner) / measured["learner"], abs=3)
   assert "one H200, Qwen2.5-1.5B shape, 2026-11-26" in out
   assert step_lengths.at_measured(dict(device_kind="TPU v5e"), 1.0, 1.0) is None
+
+
+def _plan(name: str) -> dict:
+  with open(os.path.join(conftest.REPO_ROOT, f"docs/results/aot_{name}.json"),
+            encoding="utf-8") as f:
+    return json.load(f)
+
+
+def test_the_recommended_slots_cost_no_more_and_say_whether_they_were_compiled():
+  plan = _plan("qwen7b_v5p-8")
+  dists = lengths.distributions(8192, 1024)
+  marks = {}
+  for label, lengths_R in dists.items():
+    admitting = lengths.admitting_estimate(plan, lengths_R, 0.1)
+    text = step_lengths.recommended(plan, lengths_R, 0.1, admitting)
+    slots, seconds = int(text.split()[0]), float(text.split("(")[1].split()[0])
+    assert seconds <= round(admitting["rollout_s"]), label
+    assert ("not compiled" in text) == (slots != plan["chosen"]["max_rows"]), label
+    marks[label] = slots
+  assert marks["long"] > plan["chosen"]["max_rows"]  # the table's recommendation
+
+
+def test_slots_compiles_the_plans_choice_with_that_many_slots_over_its_pool(monkeypatch):
+  from exgrpo_jax.aot import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  like = _plan("qwen7b_v5p-8")
+  compiled = []
+
+  class _Planner(plan_lib.Planner):
+    def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+      compiled.append((tensor, micro, max_rows, parts, kv_pages))
+      return dict(like["report"], ok=True, first_failure=None)
+
+  monkeypatch.setattr(plan_lib, "Planner", _Planner)
+  result = plan_lib.with_slots("configs/qwen7b.py", "v5p-8", like, 704)
+  pages = lengths.row_pages(like["report"]) * like["chosen"]["max_rows"]
+  assert compiled == [(4, 8, 704, ("learner", "rollout"), pages)]
+  assert result["fits"] and result["chosen"]["max_rows"] == 704
+  assert result["chosen"]["kv_pages"] == plan_lib.capacity_pages(like) == pages
+  assert result["verdict"] == ("fits: --config.mesh.shape='(1, 4)' "
+                               f"--config.rollout.max_rows=704 --config.rollout.kv_pages={pages}")

@@ -114,10 +114,11 @@ LEARNER = ("learner_step", "score")  # the rest is the rollout's (and evaluation
 
 def run(config, target_name: str, *, layers: int | None = None,
         target_config: str | None = None, slices: int = 1, parts=("learner", "rollout"),
-        progress=print) -> dict:
+        progress=print, target: targets.Target | None = None) -> dict:
   """Compiles every program of `config`'s training step for `target_name` (of the
-  learner's and the rollout's `parts`); the report."""
-  target = targets.get(target_name)
+  learner's and the rollout's `parts`), or for `target` so named (`targets.this_cpu`);
+  the report."""
+  target = target or targets.get(target_name)
   devices = targets.devices(target, target_config, slices)
   mesh = sharding.make_mesh(config.mesh, devices)
   kind = devices[0].device_kind

@@ -181,6 +181,45 @@ def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, mo
   return max(unit, min(most, guess) // unit * unit)
 
 
+def capacity_pages(plan_: dict) -> int:
+  """A plan's KV pool in pages: its `rollout.kv_pages`, else every slot's row at its
+  longest, in whole pages per batch shard."""
+  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+  chosen, report = plan_["chosen"], plan_["report"]
+  if chosen.get("kv_pages"):
+    return chosen["kv_pages"]
+  shards, _ = lengths.kv_layout(report)
+  return lengths.row_pages(report) * chosen["max_rows"] // shards * shards
+
+
+def _flags(devices: int, best: dict, base) -> str:
+  """The `--config.*` flags that give a config `best`'s settings."""
+  flags = (f"--config.mesh.shape='({devices // best['tensor']}, {best['tensor']})' "
+           f"--config.rollout.max_rows={best['max_rows']}")
+  if best["kv_pages"]:
+    flags += f" --config.rollout.kv_pages={best['kv_pages']}"
+  if best["micro_batch_size"] != base.optim.micro_batch_size:
+    flags += f" --config.optim.micro_batch_size={best['micro_batch_size']}"
+  return flags
+
+
+def with_slots(spec: str, target: str, like: dict, slots: int) -> dict:
+  """`like`'s plan (a fitting one, of `spec` or a config of its shapes) compiled with
+  `slots` rollout slots over its own pool (`capacity_pages`): whether a slot count the
+  estimate recommends fits, and its report."""
+  planner = Planner(spec, target)
+  base = config_cli.load(spec)
+  c = like["chosen"]
+  best = dict(c, max_rows=slots, kv_pages=capacity_pages(like))
+  final = planner.compile(c["tensor"], c["micro_batch_size"], slots, ("learner", "rollout"),
+                          kv_pages=best["kv_pages"])
+  flags = _flags(planner.spec.devices, best, base)
+  return dict(config=spec, target=target, usable_gib=planner.usable, candidates=[],
+              search=planner.search, searched_as=like["config"], slots_of=like["chosen"],
+              fits=final["ok"], chosen=dict(best, flags=flags), report=final,
+              verdict=final["first_failure"] or f"fits: {flags}")
+
+
 def plan(spec: str, target: str, like: dict | None = None,
          meshes: tuple[int, ...] = ()) -> dict:
   """The search and the chosen settings' report for the config file `spec`
@@ -228,12 +267,7 @@ def plan(spec: str, target: str, like: dict | None = None,
   settled = [_settle(planner, c, base, chosen) for c in fitting]
   mid_s = [_mid_step_s(report, base.rollout.kv_headroom) for report, _ in settled]
   final, best = settled[mid_s.index(min(mid_s))]
-  flags = (f"--config.mesh.shape='({planner.spec.devices // best['tensor']}, "
-           f"{best['tensor']})' --config.rollout.max_rows={best['max_rows']}")
-  if best["kv_pages"]:
-    flags += f" --config.rollout.kv_pages={best['kv_pages']}"
-  if best["micro_batch_size"] != base.optim.micro_batch_size:
-    flags += f" --config.optim.micro_batch_size={best['micro_batch_size']}"
+  flags = _flags(planner.spec.devices, best, base)
   return dict(result, fits=final["ok"], chosen=dict(best, flags=flags), report=final,
               verdict=final["first_failure"] or f"fits: {flags}",
               settled=[dict(s, mid_step_s=m) for (_, s), m in zip(settled, mid_s)])

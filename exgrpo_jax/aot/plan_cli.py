@@ -4,6 +4,8 @@ r"""`python -m exgrpo_jax.aot plan`: does a config fit a target, and how long is
       --out=docs/results/aot_qwen7b_h100x8.json            # the search (`plan.plan`)
   .aot/tpu/bin/python -m exgrpo_jax.aot plan --config=configs/llama8b.py --target=v6e-8 \
       --like docs/results/aot_llama8b_v6e-8.json --meshes 4,8 --out=...  # no new search
+  .aot/tpu/bin/python -m exgrpo_jax.aot plan --config=configs/qwen7b.py --target=v5p-8 \
+      --like docs/results/aot_qwen7b_v5p-8.json --slots 1024 --out=...   # a recommendation
   python -m exgrpo_jax.aot plan --render docs/results/aot_*.json   # docs/aot.md's tables
   python -m exgrpo_jax.aot plan --render docs/results/aot_qwen7b_*.json --estimate \
       [--lengths RECORD.json | --mean 3501 --cap-share 0.09]     # at real lengths
@@ -150,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
                       "shapes on the same target: compile its choice instead of searching")
   parser.add_argument("--meshes", help="with --like: settle these of its candidates "
                       "(tensor sizes, e.g. 4,8) and choose among them")
+  parser.add_argument("--slots", type=cli.positive_int, help="with --like: compile its "
+                      "choice with this many rollout slots over its pool (a slot count "
+                      "--estimate recommends)")
   parser.add_argument("--render", nargs="+", help="render these plan JSON files")
   parser.add_argument("--estimate", action="store_true", help="with --render: the "
                       "rollout's seconds at real lengths too (exgrpo_jax.aot.lengths): the "
@@ -169,7 +174,7 @@ def _refuse_ignored(parser, args) -> None:
   given = lambda *names: [f"--{n.replace('_', '-')}" for n in names
                           if getattr(args, n) not in (None, False)]
   if args.render:
-    extra = given("config", "target", "out", "like", "meshes")
+    extra = given("config", "target", "out", "like", "meshes", "slots")
     if extra:
       parser.error(f"{extra[0]} searches; --render only renders plans: give one or the other")
   else:
@@ -213,6 +218,9 @@ def main(argv=None) -> int:
     parser.error(f"--meshes {args.meshes}: give tensor sizes, e.g. 4,8")
   if meshes and not (like and {c["tensor"] for c in like.get("candidates", [])} >= set(meshes)):
     parser.error(f"--meshes {args.meshes}: needs --like a searched plan with those candidates")
+  if args.slots and not (like and like.get("fits") and "report" in like) or (
+      args.slots and meshes):
+    parser.error(f"--slots {args.slots}: needs --like a plan that fits (and no --meshes)")
   try:
     cli.check_writable(args.out)  # before minutes of compiles, not after them
   except OSError as e:
@@ -221,7 +229,8 @@ def main(argv=None) -> int:
 
   def search() -> int:
     from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
-    result = plan_lib.plan(args.config, args.target, like, meshes)
+    result = (plan_lib.with_slots(args.config, args.target, like, args.slots) if args.slots
+              else plan_lib.plan(args.config, args.target, like, meshes))
     check.save(result, args.out)
     if not result["fits"]:
       return cli.error(f"{result['verdict']} (the plan: {args.out})", prefix=PROG)

@@ -75,9 +75,10 @@ def score_calls(lengths_R, prompt_tokens: int, prompt_len: int, response_len: in
   return calls
 
 
-def learner_estimate(report: dict, lengths_R) -> dict:
-  """The learner's and the recompute's roofline seconds for responses of `lengths_R`
-  (see the module docstring), with the micro-batches and scoring calls they take."""
+def learner_estimate(report: dict, lengths_R, fresh_R=None) -> dict:
+  """The learner's roofline seconds for responses of `lengths_R` and the recompute's for
+  the fresh ones among them, `fresh_R` (default: all; see the module docstring), with
+  the micro-batches and scoring calls they take."""
   b, target = report["batch"], report["target"]
   M, micro, T = _shape(report)
   R = b["response_tokens"]
@@ -85,7 +86,8 @@ def learner_estimate(report: dict, lengths_R) -> dict:
   step, score = _program(report, "learner_step"), _program(report, "score")
   filled = micro_batches(lengths_R, b["prompt_tokens"], T - R, R, micro, b["mini_batches"],
                          pack)
-  calls = score_calls(lengths_R, b["prompt_tokens"], T - R, R, micro, pack)
+  calls = score_calls(lengths_R if fresh_R is None else fresh_R, b["prompt_tokens"], T - R,
+                      R, micro, pack)
   recompute = score["calls_per_step"] > 0
   return dict(
       learner_s=sum(_seconds(step, n / M, target) for n in filled),
@@ -114,15 +116,55 @@ def at_measured(target: dict, rollout_s: float, learner_s: float) -> float | Non
   return rollout_s / measured["decode"] + learner_s / measured["learner"]
 
 
+def rollout_seconds(report: dict, lengths_R) -> float:
+  """The rollout's roofline seconds for fresh rows of `lengths_R`: continuous batching's
+  by its scheduler (`lengths.rollout_estimate`), or the static loop's, whose calls of
+  `generate` each decode until their longest row ends (its FLOPs and streamed bytes in
+  proportion), beside the rollout's other programs as compiled."""
+  programs = {p["name"]: p for p in report["programs"]}
+  if "generate" not in programs:
+    return lengths_lib.rollout_estimate(report, lengths_R)["rollout_s"]
+  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  target, N = report["target"], report["batch"]["response_tokens"]
+  generate = programs["generate"]
+  per_call = int(re.match(r"prefill and decode (\d+) rows", generate["purpose"])[1])
+  fixed = analysis.call_bytes(generate)
+  streamed = (generate["hbm_bytes_per_call"] - fixed) / N
+  lengths_R = np.asarray(lengths_R)
+  seconds = sum(max(generate["flops_per_device"] * m / N / target["peak_flops"],
+                    (fixed + m * streamed) / target["hbm_bandwidth"])
+                for m in (lengths_R[i:i + per_call].max()
+                          for i in range(0, len(lengths_R), per_call)))
+  others = sum(p["roofline_s"] * p["calls_per_step"] for p in report["programs"]
+               if p["name"] not in check.LEARNER and p["name"] != "generate"
+               and not p["name"].startswith("eval_"))
+  return seconds + others
+
+
+def recommended(plan: dict, lengths_R, headroom: float, admitting: dict) -> str:
+  """The slot count whose rollout costs least at `lengths_R` over the plan's own pool
+  (`lengths.best_slots`, from the plan's own slots `admitting` there), its seconds, and
+  whether the plan compiled it: one it did not
+  is compiled by `python -m exgrpo_jax.aot plan --like PLAN --slots N`."""
+  from exgrpo_jax.aot import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  best = lengths_lib.best_slots(plan["report"], lengths_R, headroom, admitting,
+                                capacity=plan_lib.capacity_pages(plan))
+  compiled = best["slots"] == plan["report"]["batch"]["max_rows"]
+  return f"{best['slots']} ({best['rollout_s']:.0f} s{'' if compiled else ', not compiled'})"
+
+
 def step_table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
   """Markdown: per plan and length distribution (`lengths.distributions`), the roofline
   seconds of the rollout in today's slots and with admission (`lengths.today_estimate`,
   `lengths.admitting_estimate`), the old-log-prob recompute, the learner, the whole step
-  both ways, the part that dominates it, and the step at the device's measured
-  efficiency (`at_measured`), with the measurements' source below."""
+  both ways, the part that dominates it, the step at the device's measured efficiency
+  (`at_measured`, with the measurements' source below), and the slot count that would
+  roll out fastest over the plan's pool (`recommended`)."""
   lines = ["| config | target | lengths | rollout s | admitting, rollout s | recompute s "
            "| learner s | step s | admitting, step s | largest part (admitting) "
-           "| admitting, at measured efficiency s |", "|" + "---|" * 11]
+           "| admitting, at measured efficiency s | fastest slots over its pool |",
+           "|" + "---|" * 12]
   sources = {}
   for name, plan in plans:
     report = plan["report"]
@@ -130,7 +172,8 @@ def step_table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) ->
     for label, lengths_R in lengths_lib.distributions(
         b["response_tokens"], b["questions"] * b["k"], **given).items():
       today = lengths_lib.today_estimate(plan, lengths_R)
-      rollout = lengths_lib.admitting_estimate(plan, lengths_R, headroom, today)["rollout_s"]
+      admitting = lengths_lib.admitting_estimate(plan, lengths_R, headroom, today)
+      rollout = admitting["rollout_s"]
       est = learner_estimate(report, lengths_R)
       parts = dict(rollout=rollout, recompute=est["recompute_s"], learner=est["learner_s"])
       trained = est["recompute_s"] + est["learner_s"]
@@ -142,7 +185,8 @@ def step_table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) ->
           f"| {est['recompute_s']:.0f} | {est['learner_s']:.0f} "
           f"| {today['rollout_s'] + trained:.0f} | {sum(parts.values()):.0f} "
           f"| {max(parts, key=parts.get)} "
-          f"| {'no measurement' if measured is None else f'{measured:.0f}'} |")
+          f"| {'no measurement' if measured is None else f'{measured:.0f}'} "
+          f"| {recommended(plan, lengths_R, headroom, admitting)} |")
   lines += [f"\nAt measured efficiency: {kind}, {m['source']}: the learner at {m['learner']:.1%} "
             f"of its roofline, decode at {m['decode']:.0%}." for kind, m in sources.items()]
   return "\n".join(lines)

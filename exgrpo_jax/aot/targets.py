@@ -80,6 +80,42 @@ TARGETS = {
 }
 
 
+def this_cpu(peak_flops: float, bandwidth: float, devices: int = 1) -> Target:
+  """This host's CPU as a target, with its measured matmul rate and memory bandwidth
+  (`measured_rates`): programs compile for and run on its real devices, so an estimate
+  can be set against a measured step (scripts/check_estimate_cpu.py)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return Target("cpu", "host", devices, jax.devices("cpu")[0].device_kind, memory,
+                peak_flops, bandwidth)
+
+
+def measured_rates(hidden: int, intermediate: int, tokens: int = 1024,
+                   repeats: int = 5) -> tuple[float, float]:
+  """(float32 matmul FLOP/s on a [tokens, hidden] x [hidden, intermediate] matmul, bytes/s
+  of summing a 512 MiB float32 array) on JAX's default device: medians of `repeats`
+  timed calls after a warm-up."""
+  import time  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def median_s(f, *args):
+    f(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      f(*args).block_until_ready()
+      times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+  x = jnp.ones((tokens, hidden), jnp.float32)
+  w = jnp.ones((hidden, intermediate), jnp.float32)
+  flops = 2 * x.size * intermediate / median_s(jax.jit(jnp.matmul), x, w)
+  big = jnp.ones((2 ** 27,), jnp.float32)
+  return flops, big.nbytes / median_s(jax.jit(jnp.sum), big)
+
+
 def get(name: str) -> Target:
   if name not in TARGETS:
     raise ValueError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
@@ -140,6 +176,9 @@ def gpu_target_config(device_kind: str) -> str:
 def devices(target: Target, target_config: str | None = None, slices: int = 1) -> list:
   """The target's compile-only devices (`slices` slices of a TPU target)."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if target.platform == "cpu":
+    import jax  # pylint: disable=g-import-not-at-top
+    return jax.devices("cpu")[:target.devices]
   if target.platform == "tpu":
     topology = topologies.get_topology_desc(
         topology_name=target.topology, platform="tpu", chip_config_name=target.chip_config,
@@ -160,7 +199,7 @@ def devices(target: Target, target_config: str | None = None, slices: int = 1) -
 def usable_bytes(target: Target) -> int:
   """Per-device memory a program may use: on TPU the HBM the compiler allows (and
   enforces), on GPU JAX's preallocated share of the device's memory."""
-  if target.platform == "tpu":
+  if target.platform in ("tpu", "cpu"):
     return target.hbm_bytes
   return int(target.hbm_bytes * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
                                                      0.75)))

@@ -1,0 +1,150 @@
+r"""How far the step estimate sits from measured steps, on this CPU (JSON).
+
+  python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
+      --config.algo.old_logp_source=recompute \
+      --out=docs/results/estimate_check_cpu_study_v3.json
+  python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
+      --config.algo.old_logp_source=recompute --config.rollout.max_new_tokens=256 \
+      --config.rollout.max_rows=16 --out=docs/results/estimate_check_cpu_long.json
+
+`python -m exgrpo_jax.aot plan --estimate` prices a step on a TPU or GPU from programs
+compiled for it and a length distribution; nothing there runs. Here the same method is
+set against a real run, with this CPU as the target:
+
+1. `--warmup` + `--steps` training steps of the config, each step's prompt and response
+   lengths and phase times recorded (`timing_s/gen`, `old_logprobs`, `update_actor`);
+2. this CPU's roofline: its float32 matmul rate and memory bandwidth, measured
+   (`targets.measured_rates`), as a TPU's or GPU's peak FLOP/s and HBM bandwidth;
+3. every program of the config's training step compiled for it (`check.run` with
+   `targets.this_cpu`), as `exgrpo_jax.aot` compiles for an accelerator, with the
+   longest prompt met as `data.max_prompt_tokens` (the trainer buckets the prompts it
+   meets; the planner assumes the config's bound);
+4. each measured step priced at its own lengths: the rollout over its fresh rows
+   (`step_lengths.rollout_seconds`), the recompute over them and the learner over every
+   row the step trained on (`step_lengths.learner_estimate`).
+
+It prints, per phase, the median of measured / estimated seconds over the measured
+steps, and whether the estimate ranks the phases as the measurements do (the JSON
+holds every step). The warm-up steps compile and are left out; the load average is
+recorded, since other work on the machine slows the measurements.
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from exgrpo_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax import config_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+config_cli.make_config_files_importable(sys.argv)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
+                                          lock_config=False)
+_STEPS = flags.DEFINE_integer("steps", 6, "Measured steps.", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Steps before them (compiles).", lower_bound=1)
+_OUT = flags.DEFINE_string("out", None, "Write the JSON here too.")
+flags.mark_flags_as_required(["config"])
+
+PHASES = {"rollout": "gen", "recompute": "old_logprobs", "learner": "update_actor"}
+
+
+def _recording(trainer, steps: list) -> None:
+  """Makes the trainer's actor record the lengths of every step it trains on."""
+  update = trainer.actor.update
+
+  def recorded(params, opt_state, groups, *args):
+    responses = [r for g in groups for r in g.responses]
+    steps.append(dict(
+        response_lens=[len(r.tokens) for r in responses],
+        fresh_lens=[len(r.tokens) for r in responses if not r.is_replay],
+        prompt_lens=[len(g.prompt_ids) for g in groups]))
+    return update(params, opt_state, groups, *args)
+  trainer.actor.update = recorded
+
+
+def _estimate(report: dict, step: dict) -> dict:
+  from exgrpo_jax.aot import step_lengths  # pylint: disable=g-import-not-at-top
+  learner = step_lengths.learner_estimate(report, step["response_lens"],
+                                          fresh_R=step["fresh_lens"])
+  return dict(rollout=step_lengths.rollout_seconds(report, step["fresh_lens"]),
+              recompute=learner["recompute_s"], learner=learner["learner_s"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  config = _CONFIG.value
+  load_before = os.getloadavg()
+  if _OUT.value:
+    cli.check_writable(_OUT.value)
+  total = _WARMUP.value + _STEPS.value
+  config.train.steps, config.train.checkpoint_every, config.eval.every = total, total + 1, 0
+  steps, measured = [], []
+  with tempfile.TemporaryDirectory(prefix="check_estimate_") as tmp:
+    trainer = trainer_lib.Trainer(config, tmp)
+    _recording(trainer, steps)
+    for step in range(1, total + 1):
+      start = time.time()
+      metrics = trainer.train_step()
+      print(f"[check] step {step}/{total}: {time.time() - start:.1f} s", file=sys.stderr,
+            flush=True)
+      measured.append({p: float(metrics[f"timing_s/{t}"]) for p, t in PHASES.items()}
+                      | dict(step=float(metrics["timing_s/step"])))
+    trainer.close()
+  # The programs at the shapes the steps ran: the trainer buckets the longest prompt it
+  # meets, which the config's max_prompt_tokens only bounds.
+  config.data.max_prompt_tokens = max(max(s["prompt_lens"]) for s in steps)
+  model_cfg = check.model_config(config)
+  peak, bandwidth = targets.measured_rates(model_cfg.hidden_size, model_cfg.intermediate_size)
+  target = targets.this_cpu(peak, bandwidth)
+  print(f"[check] this CPU: {peak / 1e9:.1f} GFLOP/s (float32 matmul), "
+        f"{bandwidth / 1e9:.1f} GB/s; compiling the step's programs for it", file=sys.stderr,
+        flush=True)
+  report = check.run(config, "cpu", target=target, progress=lambda _: None)
+  if not report["ok"]:
+    raise RuntimeError(report["first_failure"])
+  rows = []
+  for step, seconds in list(zip(steps, measured))[_WARMUP.value:]:
+    estimate = _estimate(report, step)
+    rows.append(dict(step | dict(measured_s=seconds, estimated_s=estimate)))
+  ratios = {p: float(np.median([r["measured_s"][p] / r["estimated_s"][p] for r in rows
+                                if r["estimated_s"][p] > 0])) if any(
+                                    r["estimated_s"][p] > 0 for r in rows) else None
+            for p in PHASES}
+  rank = lambda d: sorted(PHASES, key=lambda p: -d[p])
+  result = dict(
+      command="python scripts/check_estimate_cpu.py " + " ".join(sys.argv[1:]),
+      load_average=dict(before=load_before, after=os.getloadavg()),
+      date=time.strftime("%Y-%m-%d"),
+      cpu=dict(device_kind=target.device_kind, devices=target.devices,
+               matmul_gflops_per_s=peak / 1e9, bandwidth_gb_per_s=bandwidth / 1e9),
+      warmup_steps=_WARMUP.value, measured_steps=len(rows),
+      median_measured_over_estimated=ratios,
+      ranked_as_measured=[rank(r["measured_s"]) == rank(r["estimated_s"]) for r in rows],
+      measured_ranking=rank({p: np.median([r["measured_s"][p] for r in rows])
+                             for p in PHASES}),
+      estimated_ranking=rank({p: np.median([r["estimated_s"][p] for r in rows])
+                              for p in PHASES}),
+      report=report,
+      steps=rows)
+  text = json.dumps(result, indent=1)
+  print(text)
+  if _OUT.value:
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=config_cli.flags_parser(_CONFIG, "check_estimate_cpu"))
