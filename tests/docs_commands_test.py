@@ -242,6 +242,24 @@ COMMANDS = [
             "test_compare_sets_the_h200_learner_cases_against_the_aot_predictions"),
     # docs/algorithm.md
     Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
+    # docs/one_accelerator.md
+    Command("pip install -e \".[test]\"", skip=INSTALL),
+    Command("python scripts/accelerator_check.py --out accelerator_check.json",
+            skip="minutes on an accelerator; its --smoke (tests/accelerator_check_test.py) "
+            "runs every part on CPU"),
+    Command("python scripts/accelerator_check.py --render accelerator_check.json",
+            covered="tests/accelerator_check_test.py::"
+            "test_render_gives_one_row_per_part_and_tables"),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot plan "
+            "--config=configs/qwen1_5b.py --target=h200x1 --out=plan_h200x1.json",
+            skip="minutes of compiles in the AOT environment, as docs/aot.md's plan command"),
+    Command("python -m exgrpo_jax.aot plan --render plan_h200x1.json --estimate",
+            covered="tests/aot_lengths_test.py::"
+            "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
+    Command("python scripts/gpu_followup.py --out followup/gpu_followup.json --parts study "
+            "--budget study=2400",
+            skip="the study on an accelerator for 40 minutes; tests/gpu_followup_test.py runs "
+            "its --smoke"),
     # docs/reliability.md
     Command("python scripts/fault_table.py --slow",
             run="{python} scripts/fault_table.py", expect=r"\| kind \| case \|", slow=True),
