@@ -177,6 +177,14 @@ def test_admission_takes_the_pages_that_fit_and_the_slots_that_cost_least_over_t
      "--target searches; --render only renders plans: give one or the other"),
     (["--config=configs/tiny.py", "--target=v5p-8", "--out={tmp}/o.json", "--estimate"],
      "--estimate is read only with --render FILES"),
+    # --slots compiles a fitting plan's choice with other slots.
+    (["--config=configs/qwen7b.py", "--target=v5p-8", "--out={tmp}/o.json", "--slots", "704"],
+     "--slots 704: needs --like a plan that fits (and no --meshes)"),
+    (["--render", "{tmp}/plan.json", "--slots", "704"],
+     "--slots searches; --render only renders plans: give one or the other"),
+    (["--config=configs/qwen7b.py", "--target=v5p-8", "--out={tmp}/o.json", "--slots", "0",
+      "--like={repo}/docs/results/aot_qwen7b_v5p-8.json"],
+     "argument --slots: must be at least 1, got 0"),
 ])
 def test_a_bad_argument_is_one_line_naming_it(tmp_path, capsys, args, line):
   (tmp_path / "notjson.json").write_text("nope")
@@ -246,21 +254,3 @@ def test_aot_cli_names_an_unreadable_target_config(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1] == (
       f"exgrpo_jax.aot: --target_config={tmp_path}/h100.pbtxt: No such file or directory")
-
-
-@pytest.mark.parametrize("args, line", [
-    (["--config=configs/qwen7b.py", "--target=v5p-8", "--out={tmp}/o.json", "--slots", "704"],
-     "--slots 704: needs --like a plan that fits (and no --meshes)"),
-    (["--render", "{tmp}/plan.json", "--slots", "704"],
-     "--slots searches; --render only renders plans: give one or the other"),
-    (["--config=configs/qwen7b.py", "--target=v5p-8", "--out={tmp}/o.json", "--slots", "0",
-      "--like={repo}/docs/results/aot_qwen7b_v5p-8.json"],
-     "argument --slots: must be at least 1, got 0"),
-])
-def test_slots_needs_a_fitting_plan_to_be_like(tmp_path, capsys, args, line):
-  fill = lambda s: s.format(tmp=tmp_path, repo=conftest.REPO_ROOT)
-  with pytest.raises(SystemExit) as e:
-    plan_cli.main([fill(a) for a in args])
-  assert e.value.code == 2
-  assert capsys.readouterr().err.splitlines()[-1] == (
-      f"exgrpo_jax.aot plan: error: {fill(line)}")
