@@ -20,6 +20,7 @@ import ml_collections
 
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import rgym
+from exgrpo_jax.sampling import pages
 from exgrpo_jax.training import padding
 
 # name -> (overrides "section.key": value, what the variant is).
@@ -99,7 +100,7 @@ def base_config() -> ml_collections.ConfigDict:
       # the newest are preempted (recomputed later) when they run out; kv_headroom is the
       # share of pages kept free when admitting beside running rows.
       kv_pages=0,
-      kv_headroom=0.1,
+      kv_headroom=pages.KV_HEADROOM,
       # vllm engine (exgrpo_jax/sampling/vllm_setup.py; docs/vllm.md, "Settings"); its
       # max_model_len is data.max_prompt_tokens + the longest max_new_tokens.
       vllm=ml_collections.ConfigDict(dict(

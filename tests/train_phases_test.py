@@ -276,7 +276,8 @@ def test_a_step_logs_the_rollouts_preemptions(tmp_path):
   needs its second page the other is preempted; the step says how many, and how many of
   their tokens were prefilled again."""
   small = _trainer(tmp_path / "small", rollout__kv_pages=2, rollout__kv_headroom=0.0,
-                   rollout__max_new_tokens=48, train__export_dir="")
+                   rollout__max_new_tokens=48, data__max_prompt_tokens=48,
+                   train__export_dir="")
   full = _trainer(tmp_path / "full", rollout__max_new_tokens=48, train__export_dir="")
   try:
     metrics = small.train_step()

@@ -33,6 +33,9 @@ import numpy as np
 # The TPU kernel reads only each row's pages, so a smaller pool would save no reads, only
 # cost resizes and programs: one size.
 POOL_STEPS = 32
+# `rollout.kv_headroom`'s default: the share of a capped pool's pages kept free when
+# admitting a row beside running ones (fewer preemptions).
+KV_HEADROOM = 0.1
 
 
 def ladder(full: int, per_row: int, shards: int, kernel: bool = False) -> list[int]:

@@ -22,6 +22,8 @@ from exgrpo_jax import advantages
 from exgrpo_jax import cli
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
+from exgrpo_jax import sharding
+from exgrpo_jax.aot import lengths
 from exgrpo_jax.data import readers
 from exgrpo_jax.data import sources as data_sources
 from exgrpo_jax.data import templates
@@ -30,6 +32,7 @@ from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
 from exgrpo_jax.rewards import graders
+from exgrpo_jax.sampling import pages
 from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import phase
 from exgrpo_jax.training import run_log
@@ -146,11 +149,18 @@ def _check(c) -> None:
   _require(not r.kv_pages or r.scheduler == "continuous", "rollout.kv_pages", r.kv_pages,
            f"needs rollout.scheduler='continuous' (the static loop sizes its cache for "
            f"every row at its longest), not {r.scheduler!r}")
+  if not r.kv_pages:
+    _unread("rollout.kv_headroom", r.kv_headroom, pages.KV_HEADROOM,
+            "a capped pool (rollout.kv_pages above 0)", "pool is uncapped (kv_pages=0)",
+            "add --config.rollout.kv_pages=PAGES")
+  _range(c, "rollout.max_rows", 0)
   _range(c, "rollout.k", 2)
   _range(c, "rollout.temperature", 0)
   _range(c, "rollout.top_p", 0, 1, low_open=True)
   _range(c, "rollout.top_k", 0)
   _range(c, "rollout.max_new_tokens", 0, low_open=True)
+  if r.kv_pages > 0 and r.engine == "jax" and r.scheduler == "continuous":
+    _pool_holds_a_row(c)
   if r.engine == "vllm":
     try:
       vllm_setup.VllmOptions.from_config(c)
@@ -160,9 +170,8 @@ def _check(c) -> None:
   else:
     defaults = dataclasses.asdict(vllm_setup.VllmOptions(max_model_len=2))
     for key, value in r.vllm.items():
-      _require(value == defaults[key], f"rollout.vllm.{key}", value,
-               f"is read only with rollout.engine='vllm', and this run's engine is "
-               f"{r.engine!r}; drop it, or add --config.rollout.engine=vllm")
+      _unread(f"rollout.vllm.{key}", value, defaults[key], "rollout.engine='vllm'",
+              f"engine is {r.engine!r}", "add --config.rollout.engine=vllm")
 
   try:
     graders.load_plugins(c.reward.plugins)  # before reward.name: plugins add names
@@ -268,6 +277,29 @@ def ignored(c) -> list[str]:
     lines.append(f"config.rollout.scheduler={r.scheduler!r} is the JAX sampler's; the vllm "
                  "engine schedules its own rows")
   return lines
+
+
+def _unread(key: str, value, default, needs: str, have: str, fix: str) -> None:
+  """Refuses `config.<key>` set away from its default where this run would not read it."""
+  _require(value == default, key, value,
+           f"is read only with {needs}, and this run's {have}; drop it, or {fix}")
+
+
+def _pool_holds_a_row(c) -> None:
+  """Refuses a `rollout.kv_pages` whose share per batch shard is below one row at its
+  longest (`data.max_prompt_tokens` + `rollout.max_new_tokens`): no row could finish."""
+  r = c.rollout
+  try:
+    shards = sharding.batch_shards(sharding.make_mesh(c.mesh))
+  except ValueError:
+    return  # the mesh's own check names its problem when the run builds it
+  per_row = lengths.pages_per_row(c.data.max_prompt_tokens, r.max_new_tokens)
+  _require(r.kv_pages // shards >= per_row, "rollout.kv_pages", r.kv_pages,
+           f"{r.kv_pages // shards} pages per batch shard of the mesh's {shards}, fewer than "
+           f"one row at its longest ({per_row} pages of {lengths.PAGE} tokens for "
+           f"data.max_prompt_tokens={c.data.max_prompt_tokens} + "
+           f"rollout.max_new_tokens={r.max_new_tokens}), which could never finish; raise "
+           f"it to at least {per_row * shards} or lower those lengths")
 
 
 def _only_with_file_source(path: str, key: str, source_key: str, source: str) -> None:
