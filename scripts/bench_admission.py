@@ -30,7 +30,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from exgrpo_jax import cli  # pylint: disable=wrong-import-position
 from exgrpo_jax import models  # pylint: disable=wrong-import-position
+from exgrpo_jax.aot import lengths  # pylint: disable=wrong-import-position
 from exgrpo_jax import sampling  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import decode  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import pages  # pylint: disable=wrong-import-position
@@ -38,7 +40,7 @@ from exgrpo_jax.sampling import schedule  # pylint: disable=wrong-import-positio
 from exgrpo_jax.sampling import slots as slots_lib  # pylint: disable=wrong-import-position
 from scripts import bench_sampler  # pylint: disable=wrong-import-position
 
-PAGE = 64
+PAGE = lengths.PAGE  # the engine's page size
 COUNTED = ("compile_s", "new_tokens", "decode_steps", "slot_steps", "preemptions",
            "recomputed_tokens")
 
@@ -46,13 +48,16 @@ COUNTED = ("compile_s", "new_tokens", "decode_steps", "slot_steps", "preemptions
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2)")
-  p.add_argument("--rows", type=int, default=256)
-  p.add_argument("--new-tokens", type=int, default=512)
-  p.add_argument("--budget-rows", type=int, default=64,
+  p.add_argument("--rows", type=cli.positive_int, default=256)
+  p.add_argument("--new-tokens", type=cli.positive_int, default=512)
+  p.add_argument("--budget-rows", type=cli.positive_int, default=64,
                  help="the KV budget, in rows at their longest")
-  p.add_argument("--slots", type=int, default=256, help="the admission engine's slots")
-  p.add_argument("--headroom", type=float, default=0.1)
-  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--slots", type=cli.positive_int, default=256,
+                 help="the admission engine's slots")
+  p.add_argument("--headroom", type=headroom, default=pages.KV_HEADROOM,
+                 help="the share of the pool kept free when admitting (rollout.kv_headroom)")
+  p.add_argument("--repeats", type=cli.positive_int, default=2,
+                 help="measured calls per engine (after one that compiles)")
   p.add_argument("--sweep", default="64,128,192,256", type=slot_counts,
                  help="slot counts `simulated` replays the rows' lengths at")
   args = p.parse_args(argv)
@@ -60,7 +65,7 @@ def main(argv=None):
   tokenizer = models.load_tokenizer(args.model or None)
   prompts = bench_sampler.chat_prompts(tokenizer, args.rows)
   prompt_len = decode.length_bucket(max(map(len, prompts)), 16)
-  per_row = -(-(prompt_len + args.new_tokens) // PAGE)
+  per_row = lengths.pages_per_row(max(map(len, prompts)), args.new_tokens)
   engines = {
       "today": sampling.make_engine("jax", policy.config, tokenizer, max_rows=args.budget_rows,
                                     continuous_from=0, page_size=PAGE),
@@ -114,7 +119,15 @@ def main(argv=None):
 
 def slot_counts(text: str) -> list[int]:
   """--sweep's comma-separated slot counts (argparse names the flag when one is not)."""
-  return [int(b) for b in text.split(",")]
+  return [cli.positive_int(b) for b in text.split(",")]
+
+
+def headroom(text: str) -> float:
+  """An argparse type: `rollout.kv_headroom`'s range, a share in [0, 1)."""
+  value = float(text)
+  if not 0 <= value < 1:
+    raise argparse.ArgumentTypeError(f"must be a share in [0, 1), got {value:g}")
+  return value
 
 
 def _time_chunks(engine) -> list:

@@ -68,10 +68,24 @@ def recorded(path: str, cap: int, rows: int) -> np.ndarray:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ValueError(f"{path}: not a JSON file ({e})") from None
   try:
-    share = np.asarray(record["response_lens"], float) / record["max_new_tokens"]
+    lens, max_new = record["response_lens"], record["max_new_tokens"]
   except (KeyError, TypeError) as e:
     raise ValueError(f"{path}: not a record of rollout lengths (no {e})") from None
+  if not _whole(max_new) or max_new < 1:
+    raise ValueError(f"{path}: max_new_tokens={max_new!r}: must be a whole number of "
+                     "tokens above 0 (the cap the lengths were recorded at)")
+  if not isinstance(lens, list) or not lens:
+    raise ValueError(f"{path}: response_lens={lens!r}: must be a non-empty list of lengths")
+  for i, n in enumerate(lens):
+    if not _whole(n) or not 0 <= n <= max_new:
+      raise ValueError(f"{path}: response_lens[{i}]={n!r}: must be a whole number of "
+                       f"tokens in [0, max_new_tokens={max_new}]")
+  share = np.asarray(lens, float) / max_new
   return np.clip(np.round(np.resize(share, rows) * cap), 1, cap).astype(np.int64)
+
+
+def _whole(n) -> bool:
+  return isinstance(n, int) and not isinstance(n, bool)
 
 
 def at_cap(cap: int, rows: int) -> np.ndarray:
@@ -110,9 +124,15 @@ def kv_layout(report: dict) -> tuple[int, float]:
 
 
 def row_pages(report: dict) -> int:
-  """The pages of one row at its longest: the bucketed prompt and every response token."""
+  """The pages of one row at its longest in a plan report's batch (`pages_per_row`)."""
   b = report["batch"]
-  return -(-(decode.length_bucket(b["prompt_tokens"], 16) + b["response_tokens"]) // PAGE)
+  return pages_per_row(b["prompt_tokens"], b["response_tokens"])
+
+
+def pages_per_row(prompt_tokens: int, response_tokens: int) -> int:
+  """The engine's pages of one row at its longest: the prompt, bucketed as the engine
+  buckets it, and every response token."""
+  return -(-(decode.length_bucket(prompt_tokens, 16) + response_tokens) // PAGE)
 
 
 def prices(report: dict) -> Prices:
