@@ -1,5 +1,5 @@
-"""Guards of a training run: stop signals, the non-finite stop, start-up checks, and
-one metrics row per step after a resume.
+"""Guards of a training run: stop signals, the non-finite stop and start-up checks (a
+resumed run's logs are cut back by `run_log.truncate`).
 
   with run_guard.StopSignals() as stop:     # SIGTERM / Ctrl-C: finish the step, stop
     while ... and not stop.requested: ...
@@ -10,7 +10,6 @@ it and the command exits with `cli.EXIT_PREEMPTED`. A second SIGINT abandons the
 (KeyboardInterrupt): the last checkpoint stays the newest complete step.
 """
 
-import json
 import math
 import os
 import signal
@@ -91,24 +90,3 @@ def warn_gpu_memory_fraction(engine: str, environ=os.environ) -> str | None:
           "rollout.max_rows")
   print(line, file=sys.stderr, flush=True)
   return line
-
-
-def truncate_metrics(workdir: str, step: int) -> None:
-  """Drops `<workdir>/metrics.jsonl` rows past `step` (the restored checkpoint), which a
-  killed or stopped run logged but never checkpointed; the resumed run logs them again."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if jax.process_index() != 0 or not os.path.exists(path):
-    return
-  kept, dropped = [], 0
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        keep = json.loads(line)["step"] <= step
-      except (ValueError, KeyError, TypeError):  # a line cut short by the kill
-        keep = False
-      kept += [line] if keep else []
-      dropped += not keep
-  if dropped:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      f.writelines(kept)
-    os.replace(path + ".tmp", path)

@@ -185,6 +185,34 @@ def _hms(seconds: float) -> str:
   return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def truncate(workdir: str, first_step: int) -> None:
+  """Drops the rows of `<workdir>/metrics.jsonl` and `eval_samples.jsonl` from
+  `first_step` on, the first step a resumed run logs: a killed or stopped run logged them
+  but never checkpointed them, and the resumed run logs them again (step 0's evaluation,
+  too, where no checkpoint was complete). Only process 0 writes."""
+  if jax.process_index() != 0:
+    return
+  for name in ("metrics.jsonl", "eval_samples.jsonl"):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      lines = f.readlines()
+    kept = [line for line in lines if _step(line) < first_step]
+    if len(kept) < len(lines):
+      with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+      os.replace(path + ".tmp", path)
+
+
+def _step(line: str) -> float:
+  """A row's step; a line cut short by a kill counts as past every step (dropped)."""
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return math.inf
+
+
 def read_metrics(workdir: str) -> list[dict]:
   """All rows of `<workdir>/metrics.jsonl` (for plots and tests)."""
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
