@@ -97,6 +97,28 @@ def test_recorded_lengths_keep_their_share_of_the_cap(tmp_path):
     lengths.recorded(str(bad), 8192, 16)
 
 
+@pytest.mark.parametrize("record, problem", [
+    ({"max_new_tokens": 0, "response_lens": [3, 5]},
+     "max_new_tokens=0: must be a whole number of tokens above 0"),
+    ({"max_new_tokens": 8, "response_lens": [3, -2]},
+     "response_lens[1]=-2: must be a whole number of tokens in [0, max_new_tokens=8]"),
+    ({"max_new_tokens": 8, "response_lens": [3, "a"]},
+     "response_lens[1]='a': must be a whole number of tokens in [0, max_new_tokens=8]"),
+    ({"max_new_tokens": 8, "response_lens": [9]},
+     "response_lens[0]=9: must be a whole number of tokens in [0, max_new_tokens=8]"),
+    ({"max_new_tokens": "8", "response_lens": [3]},
+     "max_new_tokens='8': must be a whole number of tokens above 0"),
+    ({"max_new_tokens": 8, "response_lens": []},
+     "response_lens=[]: must be a non-empty list of lengths"),
+], ids=["zero_cap", "negative", "string", "over_cap", "string_cap", "empty"])
+def test_a_bad_length_record_names_the_file_and_the_key(tmp_path, record, problem):
+  path = tmp_path / "record.json"
+  path.write_text(json.dumps(record))
+  with pytest.raises(ValueError) as e:
+    lengths.recorded(str(path), 8192, 16)
+  assert str(e.value).startswith(f"{path}: {problem}")
+
+
 def test_the_planner_prints_the_estimates_beside_the_compiled_worst_case(capsys):
   from exgrpo_jax.aot import plan_cli  # pylint: disable=g-import-not-at-top
   plan_cli.main(["--render", RESERVED.format("qwen7b_v5e-16"), "--estimate",

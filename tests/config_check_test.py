@@ -12,6 +12,7 @@ from configs import common
 from exgrpo_jax import cli
 from exgrpo_jax import config_cli
 from exgrpo_jax import models
+from exgrpo_jax.aot import lengths
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import resume_check
 from tests import configs_test
@@ -74,6 +75,7 @@ def test_shipped_configs_pass(name, variant):
     ("algo.tis_cap", float("nan"), r"config.algo.tis_cap=nan: must be 0 or None"),
     ("rollout.kv_pages", -1, r"config.rollout.kv_pages=-1: must be a number in \[0, inf\]"),
     ("rollout.kv_headroom", 1.0, r"config.rollout.kv_headroom=1.0: must be below 1"),
+    ("rollout.max_rows", -5, r"config.rollout.max_rows=-5: must be a number in \[0, inf\]"),
 ])
 def test_bad_value_is_one_clear_error(key, value, message):
   c = _config()
@@ -102,6 +104,36 @@ def test_a_kv_pool_size_needs_the_continuous_scheduler():
                                                      r"rollout.scheduler='continuous'"):
     config_check.check(c)
   c.rollout.scheduler = "continuous"
+  config_check.check(c)
+
+
+def test_a_kv_pool_below_one_row_at_its_longest_is_refused():
+  """The engine's pages of a row of data.max_prompt_tokens (bucketed) + max_new_tokens."""
+  c = _config()
+  c.rollout.max_new_tokens = 64
+  per_row = lengths.pages_per_row(c.data.max_prompt_tokens, 64)
+  c.rollout.kv_pages = per_row - 1
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  assert str(e.value) == (
+      f"config.rollout.kv_pages={per_row - 1}: {per_row - 1} pages per batch shard of the "
+      f"mesh's 1, fewer than one row at its longest ({per_row} pages of 64 tokens for "
+      f"data.max_prompt_tokens={c.data.max_prompt_tokens} + rollout.max_new_tokens=64), "
+      f"which could never finish; raise it to at least {per_row} or lower those lengths")
+  c.rollout.kv_pages = per_row
+  config_check.check(c)
+
+
+def test_kv_headroom_without_a_capped_pool_is_refused():
+  c = _config()
+  c.rollout.kv_headroom = 0.5
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  assert str(e.value) == (
+      "config.rollout.kv_headroom=0.5: is read only with a capped pool (rollout.kv_pages "
+      "above 0), and this run's pool is uncapped (kv_pages=0); drop it, or add "
+      "--config.rollout.kv_pages=PAGES")
+  c.rollout.kv_pages = 40
   config_check.check(c)
 
 

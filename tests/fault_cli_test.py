@@ -22,7 +22,10 @@ from exgrpo_jax import generate
 from exgrpo_jax import models
 from exgrpo_jax.models import export
 from exgrpo_jax.models import safetensors_io
+from exgrpo_jax.aot import plan_cli
 from exgrpo_jax.training import run_guard
+from exgrpo_jax.training import run_log
+from scripts import bench_admission
 from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
 TINY = models.ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -153,6 +156,45 @@ def test_eval_zero_counts_are_usage_errors(flag, capsys):
                   prefix=f"python -m exgrpo_jax.eval: error: argument {flag}")
 
 
+@pytest.mark.parametrize("flag, value, why", [
+    ("--headroom", "1.5", "must be a share in [0, 1), got 1.5"),
+    ("--rows", "0", "must be at least 1, got 0"),
+    ("--repeats", "0", "must be at least 1, got 0"),
+])
+def test_bench_admission_bad_numbers_are_refused_before_the_model_loads(
+    flag, value, why, capsys, monkeypatch):
+  monkeypatch.setattr(bench_admission.models, "from_pretrained", _no_model_load)
+  with pytest.raises(SystemExit) as e:
+    bench_admission.main([flag, value])
+  assert e.value.code == cli.EXIT_USAGE
+  assert capsys.readouterr().err.splitlines()[-1].endswith(
+      f": error: argument {flag}: {why}")
+
+
+def _no_model_load(*args, **kwargs):
+  raise AssertionError("the model loaded before the arguments were checked")
+
+
+@pytest.mark.parametrize("record, problem", [
+    ('{"max_new_tokens": 0, "response_lens": [3, 5]}',
+     "max_new_tokens=0: must be a whole number of tokens above 0"),
+    ('{"max_new_tokens": 8, "response_lens": [3, -2]}',
+     "response_lens[1]=-2: must be a whole number of tokens in [0, max_new_tokens=8]"),
+    ('{"max_new_tokens": 8, "response_lens": ["a"]}',
+     "response_lens[0]='a': must be a whole number of tokens in [0, max_new_tokens=8]"),
+], ids=["zero_cap", "negative", "string"])
+def test_planner_estimate_names_a_bad_length_record(tmp_path, record, problem, capsys):
+  path = tmp_path / "lengths.json"
+  path.write_text(record)
+  plan = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "results",
+                      "aot_qwen7b_h100x8.json")
+  with pytest.raises(SystemExit) as e:
+    plan_cli.main(["--render", plan, "--estimate", "--lengths", str(path)])
+  assert e.value.code == cli.EXIT_USAGE
+  assert capsys.readouterr().err.splitlines()[-1].startswith(
+      f"{plan_cli.PROG}: error: {path}: {problem}")
+
+
 def test_eval_out_is_checked_before_any_work(tmp_path, capsys):
   # The data file does not exist either: the output path is checked first.
   out = str(tmp_path / "missing_dir" / "results.json")
@@ -230,7 +272,7 @@ def test_metrics_past_the_restored_step_are_dropped(tmp_path):
   rows = [{"step": s, "x": s} for s in (1, 2, 3, 2, 3, 4)]
   text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "x'  # cut by a kill
   (tmp_path / "metrics.jsonl").write_text(text)
-  run_guard.truncate_metrics(str(tmp_path), 2)
+  run_log.truncate(str(tmp_path), 2)
   kept = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert kept == [1, 2, 2]
 

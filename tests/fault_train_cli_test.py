@@ -83,6 +83,26 @@ def test_data_path_without_a_file_source_is_refused(tmp_path, flag, line):
   _refused(_train(f"--workdir={tmp_path}", flag, config="configs/smollm2_135m.py"), line)
 
 
+@pytest.mark.parametrize("flags, line", [
+    (["--config.rollout.kv_headroom=0.5"],
+     "config.rollout.kv_headroom=0.5: is read only with a capped pool (rollout.kv_pages "
+     "above 0), and this run's pool is uncapped (kv_pages=0); drop it, or add "
+     "--config.rollout.kv_pages=PAGES"),
+    (["--config.rollout.kv_pages=1", "--config.rollout.max_new_tokens=64"],
+     "config.rollout.kv_pages=1: 1 pages per batch shard of the mesh's 1, fewer than one "
+     "row at its longest (4 pages of 64 tokens for data.max_prompt_tokens=192 + "
+     "rollout.max_new_tokens=64), which could never finish; raise it to at least 4 or "
+     "lower those lengths"),
+    (["--config.rollout.max_rows=-5"], "config.rollout.max_rows=-5: must be a number in "
+                                       "[0, inf]"),
+], ids=["headroom_without_pool", "pool_below_one_row", "negative_max_rows"])
+def test_rollout_pool_settings_are_refused_before_compiling(tmp_path, flags, line):
+  """Refused by the config check: no workdir, lock or empty checkpoints/ left behind."""
+  workdir = tmp_path / "new"
+  _refused(_train(f"--workdir={workdir}", *flags), line)
+  assert not os.path.exists(workdir)
+
+
 def test_batch_larger_than_the_data_is_refused(tmp_path):
   _refused(_train(f"--workdir={tmp_path}", "--config.train.batch_questions=1000"),
            "config.train.batch_questions=1000: more than the 64 training questions of "

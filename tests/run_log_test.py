@@ -74,6 +74,24 @@ def test_eval_samples_are_appended_and_printed(tmp_path, capsys):
   assert "reward 1, answer 5): 'What is 2 + 3?' -> '2 + 3 = 5'" in out
 
 
+@pytest.mark.parametrize("restored, evaluates_at_start, kept", [
+    (0, True, []),           # killed in the first checkpoint: step 0 is evaluated again
+    (0, False, [0]),         # step 0 is not logged again
+    (2, True, [0, 1, 2]),    # rows past the checkpoint are logged again
+], ids=["no_checkpoint", "no_checkpoint_no_start_eval", "checkpoint_2"])
+def test_a_resume_keeps_each_step_once_in_both_logs(tmp_path, restored, evaluates_at_start,
+                                                    kept):
+  """What a killed run left (steps 0 to 3, the last row cut short) less the rows the
+  resumed run logs again, in metrics.jsonl and eval_samples.jsonl alike."""
+  for name in ("metrics.jsonl", "eval_samples.jsonl"):
+    (tmp_path / name).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4))
+                                 + '{"step": 4, "x')
+  run_log.truncate(str(tmp_path), restored, evaluates_at_start)
+  for name in ("metrics.jsonl", "eval_samples.jsonl"):
+    with open(tmp_path / name, encoding="utf-8") as f:
+      assert [json.loads(line)["step"] for line in f] == kept, name
+
+
 def test_progress_line_shows_replay_buffer_and_validation(tmp_path, capsys):
   log = run_log.RunLog(str(tmp_path), total_steps=4, loggers="")
   log.progress(2, {"batch/solved": 0.375, "experience/batch_size": 2,

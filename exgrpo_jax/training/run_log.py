@@ -185,13 +185,14 @@ def _hms(seconds: float) -> str:
   return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def truncate(workdir: str, first_step: int) -> None:
-  """Drops the rows of `<workdir>/metrics.jsonl` and `eval_samples.jsonl` from
-  `first_step` on, the first step a resumed run logs: a killed or stopped run logged them
-  but never checkpointed them, and the resumed run logs them again (step 0's evaluation,
-  too, where no checkpoint was complete). Only process 0 writes."""
+def truncate(workdir: str, restored_step: int, evaluates_at_start: bool = False) -> None:
+  """Drops the rows of `<workdir>/metrics.jsonl` and `eval_samples.jsonl` that a resumed
+  run logs again: those past `restored_step` (the checkpoint it resumes from), which a
+  killed or stopped run logged but never checkpointed, and step 0's evaluation where no
+  checkpoint was complete and the run `evaluates_at_start` again. Only process 0 writes."""
   if jax.process_index() != 0:
     return
+  first_step = 0 if restored_step == 0 and evaluates_at_start else restored_step + 1
   for name in ("metrics.jsonl", "eval_samples.jsonl"):
     path = os.path.join(workdir, name)
     if not os.path.exists(path):

@@ -120,9 +120,7 @@ class Trainer:
     self._opened.append(self.grader.close)
     self.actor = actor_lib.Actor(config, st.model_cfg, st.pad_id)
     run_guard.warn_gpu_memory_fraction(config.rollout.engine)
-    # Each step's rows once after a resume: from the first step this run logs again.
-    run_log.truncate(workdir, 0 if st.step == 0 and evaluates_before_training(config.eval)
-                     else st.step + 1)
+    run_log.truncate(workdir, st.step, evaluates_before_training(config.eval))  # each step once
     self.log = run_log.RunLog(workdir, config.train.steps, start_step=st.step,
                               loggers=config.train.loggers, config=config.to_dict())
 
