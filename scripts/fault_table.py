@@ -83,6 +83,25 @@ CASES = {
     "test_sigkill_during_an_export_keeps_the_previous_and_a_rerun_completes": (
         FAULT, "SIGKILL during an export; previous kept, rerun completes"),
     "test_full_workdir_is_one_line": (FAULT, "trainer on a full workdir (tmpfs); one line"),
+    "test_sigkill_during_the_first_checkpoint_logs_each_step_once_on_rerun": (
+        FAULT, "SIGKILL during the first checkpoint; the rerun logs each step once "
+               "(metrics.jsonl, eval_samples.jsonl)"),
+    "test_bench_admission_bad_numbers_are_refused_before_the_model_loads": (
+        INPUT, "bench_admission.py --headroom 1.5 / --rows 0 / --repeats 0; exit 2 before "
+               "the model loads"),
+    "test_planner_estimate_names_a_bad_length_record": (
+        INPUT, "planner --estimate --lengths: a cap of 0, a negative length, a string; exit "
+               "2 naming the file and the key or row"),
+    "test_rollout_pool_settings_are_refused_before_compiling[headroom_without_pool]": (
+        INPUT, "`--config.rollout.kv_headroom=0.5` without `rollout.kv_pages`; exit 2: "
+               "`config.rollout.kv_headroom=0.5: is read only with a capped pool ...`"),
+    "test_rollout_pool_settings_are_refused_before_compiling[pool_below_one_row]": (
+        INPUT, "`--config.rollout.kv_pages=1 --config.rollout.max_new_tokens=64`; exit 2 "
+               "before compiling: `config.rollout.kv_pages=1: 1 pages per batch shard ..., "
+               "fewer than one row at its longest ...`; no workdir left"),
+    "test_rollout_pool_settings_are_refused_before_compiling[negative_max_rows]": (
+        INPUT, "`--config.rollout.max_rows=-5`; exit 2: `config.rollout.max_rows=-5: must be "
+               "a number in [0, inf]`"),
     # python -m exgrpo_jax.train (tests/fault_train_cli_test.py): the flag or config
     # given; the exit status and the one line the user sees.
     "test_bad_flags_exit_2_with_one_line[unknown_flag]": (

@@ -156,6 +156,26 @@ def test_second_trainer_refused_damaged_checkpoint_and_lost_export(tmp_path):
     np.testing.assert_allclose(again[-1][name], rows[-1][name], rtol=1e-5, atol=1e-6)
 
 
+def test_sigkill_during_the_first_checkpoint_logs_each_step_once_on_rerun(tmp_path):
+  """Killed while step 1's checkpoint is written (after step 0's evaluation and step 1's
+  rows were logged), the rerun starts from step 0 again: both logs hold each step once."""
+  workdir = str(tmp_path / "run")
+  flags = ("--config.eval.before_train=True", "--config.eval.source=arithmetic",
+           "--config.eval.limit=8", "--config.train.export_dir=")
+  proc = _start(workdir, *flags)
+  ckpt = checkpointing.checkpoint_dir(workdir)
+  _wait_for(lambda: os.path.isdir(ckpt) and os.listdir(ckpt), proc, "checkpoint 1 to begin")
+  os.killpg(proc.pid, signal.SIGKILL)
+  proc.communicate()
+  assert not _has_checkpoint(workdir, 1)(), "the kill came after checkpoint 1 was complete"
+  assert [r["step"] for r in run_log.read_metrics(workdir)] == [0, 1]
+  samples = os.path.join(workdir, "eval_samples.jsonl")
+  logged = _lines(samples)
+  _finish(_start(workdir, *flags))
+  assert [r["step"] for r in run_log.read_metrics(workdir)] == list(range(STEPS + 1))
+  assert 0 < _lines(samples) == logged  # step 0's samples, once
+
+
 _SAVE_BIG = """
 import sys, numpy as np
 from exgrpo_jax import checkpointing
