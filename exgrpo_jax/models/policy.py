@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from exgrpo_jax import sharding
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import lora
 from exgrpo_jax.models import transformer
 
 Params = Any
@@ -31,14 +32,16 @@ def apply(cfg, params, tokens_BxT, valid_BxT=None, cache=None, return_hidden=Fal
           positions_BxT=None, segment_ids_BxT=None):
   """Runs the model; returns (logits [B,T,V] float32 or hidden [B,T,D], cache).
 
-  `positions_BxT` / `segment_ids_BxT` describe packed rows (see `Transformer.__call__`).
+  `positions_BxT` / `segment_ids_BxT` describe packed rows (see `Transformer.__call__`);
+  `params` may be `lora.LoraParams` (the adapters applied unmerged).
   """
-  return module(cfg).apply({"params": params}, tokens_BxT, valid_BxT, cache, return_hidden,
+  return module(cfg).apply({"params": lora.for_forward(params)}, tokens_BxT, valid_BxT, cache, return_hidden,
                            positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
 
 
 def unembedding(cfg, params) -> jax.Array:
   """The [D, V] output projection (the transposed embedding when tied)."""
+  params = lora.base_of(params)
   return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 

@@ -137,6 +137,18 @@ def _param(module, name, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+def _with_lora(module, name, y, x, contract: str, dtype):
+  """`y` (x through weight `name`) plus the low-rank update (x @ A) @ B where the params
+  carry `name`'s adapter (`models.lora.for_forward`; B comes scaled), else `y` as is.
+  `contract` is the einsum of x with A, e.g. "btd,dr->btr"."""
+  if not module.has_variable("params", name + "_lora_a"):
+    return y
+  a = module.get_variable("params", name + "_lora_a").astype(dtype)
+  b = module.get_variable("params", name + "_lora_b").astype(dtype)
+  low_BxTxr = jnp.einsum(contract, x, a)
+  return y + jnp.tensordot(low_BxTxr, b, axes=1)
+
+
 class RMSNorm(nn.Module):
   cfg: config_lib.ModelConfig
 
@@ -166,7 +178,8 @@ class Attention(nn.Module):
 
     def project(name, n_heads, head_axis):
       w = _param(self, name, init, (D, n_heads, Dh), ("embed", head_axis, "head_dim"), pdt)
-      y = jnp.einsum("btd,dnh->btnh", x_BxTxD, w.astype(dt))
+      y = _with_lora(self, name, jnp.einsum("btd,dnh->btnh", x_BxTxD, w.astype(dt)),
+                     x_BxTxD, "btd,dr->btr", dt)
       if cfg.attention_bias:
         b = _param(self, name + "_bias", nn.initializers.zeros, (n_heads, Dh),
                    (head_axis, "head_dim"), pdt)
@@ -183,7 +196,10 @@ class Attention(nn.Module):
                                         mask)
     new_kv = None if cache_kv is None else (k_BxKxDhxS, v_BxKxSxDh)
     w_o = _param(self, "o_proj", init, (H, Dh, D), ("heads", "head_dim", "embed"), pdt)
-    return jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)), new_kv
+    out_BxTxD = _with_lora(self, "o_proj",
+                           jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)),
+                           out_BxTxHxDh, "bthd,hdr->btr", dt)
+    return out_BxTxD, new_kv
 
 
 class MLP(nn.Module):
@@ -199,9 +215,11 @@ class MLP(nn.Module):
     gate = _param(self, "gate_proj", init, (D, F), ("embed", "mlp"), pdt)
     up = _param(self, "up_proj", init, (D, F), ("embed", "mlp"), pdt)
     down = _param(self, "down_proj", init, (F, D), ("mlp", "embed"), pdt)
-    h_BxTxF = (nn.silu(jnp.einsum("btd,df->btf", x_BxTxD, gate.astype(dt)))
-               * jnp.einsum("btd,df->btf", x_BxTxD, up.astype(dt)))
-    return jnp.einsum("btf,fd->btd", h_BxTxF, down.astype(dt))
+    proj = lambda name, w, x, matmul, contract: _with_lora(
+        self, name, jnp.einsum(matmul, x, w.astype(dt)), x, contract, dt)
+    h_BxTxF = (nn.silu(proj("gate_proj", gate, x_BxTxD, "btd,df->btf", "btd,dr->btr"))
+               * proj("up_proj", up, x_BxTxD, "btd,df->btf", "btd,dr->btr"))
+    return proj("down_proj", down, h_BxTxF, "btf,fd->btd", "btf,fr->btr")
 
 
 class DecoderLayer(nn.Module):

@@ -14,6 +14,10 @@ Log-probs and entropies come from the scored slots' hidden states, chunked so
 [B, R, V] float32 logits never exist at once. The step clips the global gradient norm
 and applies AdamW unless the norm is non-finite or above `skip_grad_norm` (then the
 step is skipped and counted).
+
+With LoRA (`params` a `lora.LoraParams`) the step differentiates and updates the
+adapters only: the optimizer state is the adapters', and the frozen base enters the
+step as an argument that is neither differentiated nor donated.
 """
 
 import functools
@@ -28,6 +32,7 @@ from exgrpo_jax import logprobs
 from exgrpo_jax import losses
 from exgrpo_jax import models
 from exgrpo_jax import sharding
+from exgrpo_jax.models import lora
 
 # One rule per metric, over a mini-batch's micro-batches and over a training step's
 # mini-batches alike (`combine_metrics`): counts and shares of one objective add up,
@@ -126,9 +131,13 @@ def score_program(mesh):
   return jax.jit(score_stats, static_argnums=(0, 5, 6), **out)
 
 
-def _micro_loss(params, micro: TrainBatch, *, cfg, algo, use_clip, chunk, num_tokens):
+def _micro_loss(params, micro: TrainBatch, frozen=None, *, cfg, algo, use_clip, chunk,
+                num_tokens):
   """The micro-batch's share of the mini-batch objective. `micro` is a TrainBatch without
-  its M axis; `num_tokens` counts the mini-batch's loss tokens."""
+  its M axis; `num_tokens` counts the mini-batch's loss tokens. With `frozen` (a
+  `lora.LoraParams` without adapters) `params` are its adapters."""
+  if frozen is not None:
+    params = frozen.replace(adapters=params)
   logp_BxR, entropy_BxR = response_stats(cfg, params, micro.tokens_MxBxT,
                                          micro.segment_ids_MxBxT, micro.index_MxBxR, chunk)
   # One token per row: a packed row's slots belong to different sequences, so the
@@ -183,9 +192,10 @@ def combine_step_metrics(metrics_N: list[dict], policy_share_N, entropy_coeff: f
   return {name: float(value) for name, value in combine_metrics(m).items()}
 
 
-def accumulate_gradients(params, batch: TrainBatch, *, cfg, algo, use_clip, chunk,
+def accumulate_gradients(params, batch: TrainBatch, frozen=None, *, cfg, algo, use_clip, chunk,
                          param_shardings=None):
-  """Gradients of the mini-batch objective and its metrics, one micro-batch at a time."""
+  """Gradients of the mini-batch objective and its metrics, one micro-batch at a time
+  (with respect to `params`: with `frozen`, see `_micro_loss`, the adapters)."""
   grad_fn = jax.grad(functools.partial(
       _micro_loss, cfg=cfg, algo=algo, use_clip=use_clip, chunk=chunk,
       num_tokens=jnp.maximum(batch.mask_MxBxR.sum(), 1)), has_aux=True)
@@ -194,13 +204,13 @@ def accumulate_gradients(params, batch: TrainBatch, *, cfg, algo, use_clip, chun
   constrain = (functools.partial(jax.lax.with_sharding_constraint, shardings=param_shardings)
                if param_shardings is not None else lambda tree: tree)
   micro_0 = jax.tree.map(lambda x: x[0], batch)
-  nothing = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, micro_0))
+  nothing = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, micro_0, frozen))
 
   def accumulate(grads_acc, micro):
     # Packed mini-batches fill fewer micro-batches than the padded worst case they are
     # shaped for; the empty ones cost nothing.
     grads, metrics = jax.lax.cond(micro.mask_MxBxR.any(), grad_fn, lambda *_: nothing,
-                                  params, micro)
+                                  params, micro, frozen)
     return constrain(jax.tree.map(jnp.add, grads_acc, grads)), metrics
 
   zeros = constrain(jax.tree.map(jnp.zeros_like, params))
@@ -220,6 +230,12 @@ def train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_cl
   if mesh is not None:
     batch = sharding.put_batch(batch, mesh, batch_dim=1)
   with sharding.use_mesh(mesh):
+    if isinstance(params, lora.LoraParams):
+      frozen = params.replace(adapters=None)
+      adapters, opt_state, metrics = step_program(params.adapters, opt_state)(
+          params.adapters, opt_state, batch, frozen, cfg=cfg, algo=algo, optim=optim,
+          use_clip=use_clip, chunk=chunk)
+      return params.replace(adapters=adapters), opt_state, metrics
     return step_program(params, opt_state)(params, opt_state, batch, cfg=cfg, algo=algo,
                                            optim=optim, use_clip=use_clip, chunk=chunk)
 
@@ -244,10 +260,11 @@ def _compiled_step(treedef, flat_shardings):
                  out_shardings=(param_shardings, opt_shardings, metrics_sharding))
 
 
-def _train_step(params, opt_state, batch: TrainBatch, *, cfg, algo, optim, use_clip, chunk,
-                param_shardings):
-  grads, metrics = accumulate_gradients(params, batch, cfg=cfg, algo=algo, use_clip=use_clip,
-                                        chunk=chunk, param_shardings=param_shardings)
+def _train_step(params, opt_state, batch: TrainBatch, frozen=None, *, cfg, algo, optim,
+                use_clip, chunk, param_shardings):
+  grads, metrics = accumulate_gradients(params, batch, frozen, cfg=cfg, algo=algo,
+                                        use_clip=use_clip, chunk=chunk,
+                                        param_shardings=param_shardings)
   grad_norm = optax.global_norm(grads)
   skip = ~jnp.isfinite(grad_norm) | (grad_norm > optim.skip_grad_norm)
   tx = make_optimizer(optim)

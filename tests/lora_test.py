@@ -1,0 +1,127 @@
+"""LoRA (`exgrpo_jax.models.lora`): the adapters start at the base model exactly, a
+learner step trains them alone, and every sampler receives the current adapter.
+
+The reference for "the adapter applied" is the learner's own forward pass on
+`LoraParams` (unmerged: x @ W + s (x @ A) @ B); the merged weights the samplers get must
+reproduce it, and must differ from the base once the adapter has trained.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from exgrpo_jax import models
+from exgrpo_jax.models import lora
+from exgrpo_jax.training import actor
+from exgrpo_jax.training import groups as groups_lib
+from exgrpo_jax.training import learner
+
+CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=(1,))
+RANK, ALPHA = 4, 8.0
+
+
+def _lora_params(cfg=CFG, seed=0):
+  base = models.init_params(cfg, jax.random.key(seed))
+  adapters = lora.init_adapters(cfg, RANK, lora.TARGETS, jax.random.key(seed + 1))
+  return lora.LoraParams(base, adapters, ALPHA / RANK)
+
+
+def _tokens(n=3, t=10, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(2, CFG.vocab_size, (n, t)),
+                     jnp.int32)
+
+
+def test_adapter_axes_match_the_weights_they_adapt():
+  """Each factor's shape and logical axes are its weight's input (A) and output (B) axes
+  around the rank, so the sharding rules place them like the weight."""
+  base_axes, base = models.logical_axes(CFG), models.abstract_params(CFG)
+  axes, shapes = lora.logical_axes(lora.TARGETS), lora.abstract_adapters(CFG, RANK,
+                                                                         lora.TARGETS)
+  for module, targets in axes["layers"].items():
+    for name, ab in targets.items():
+      w_axes, w = tuple(base_axes["layers"][module][name]), base["layers"][module][name]
+      a, b = shapes["layers"][module][name]["a"], shapes["layers"][module][name]["b"]
+      n_in = len(ab["a"]) - 2
+      assert tuple(ab["a"]) == w_axes[:1 + n_in] + (lora.RANK_AXIS,)
+      assert tuple(ab["b"]) == (w_axes[0], lora.RANK_AXIS) + w_axes[1 + n_in:]
+      assert a.shape == w.shape[:1 + n_in] + (RANK,)
+      assert b.shape == (w.shape[0], RANK) + w.shape[1 + n_in:]
+
+
+def test_step_zero_logits_equal_the_base_models():
+  """B starts at zero: the LoRA policy's logits are the base model's, bit for bit."""
+  params = _lora_params()
+  for path, x in jax.tree_util.tree_leaves_with_path(params.adapters):
+    assert (float(jnp.abs(x).max()) == 0) == (path[-1].key == "b"), jax.tree_util.keystr(path)
+  tokens = _tokens()
+  want, _ = models.apply(CFG, params.base, tokens)
+  got, _ = models.apply(CFG, params, tokens)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_merged_weights_compute_the_unmerged_forward():
+  """With a non-zero B, the merged weights (the samplers') give the unmerged forward's
+  logits, and both differ from the base's."""
+  params = _lora_params()
+  params = params.replace(adapters=jax.tree.map(
+      lambda x: x + 0.05 * jax.random.normal(jax.random.key(3), x.shape), params.adapters))
+  tokens = _tokens()
+  unmerged, _ = models.apply(CFG, params, tokens)
+  merged, _ = models.apply(CFG, lora.merged(params), tokens)
+  base, _ = models.apply(CFG, params.base, tokens)
+  np.testing.assert_allclose(np.asarray(merged), np.asarray(unmerged), rtol=1e-4, atol=1e-4)
+  assert float(jnp.abs(unmerged - base).max()) > 1e-2
+
+
+def _groups(n=6, prompt=8, response=12, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    tokens = rng.integers(2, 96, int(rng.integers(2, response)))
+    out.append(types.SimpleNamespace(
+        prompt_ids=list(rng.integers(2, 96, prompt)),
+        responses=[groups_lib.Response(tokens, rng.normal(-4.5, 0.3, len(tokens))
+                                       .astype(np.float32), "")],
+        advantages=np.array([float(rng.normal())])))
+  return out
+
+
+def _config(lr=1e-2):
+  config = tiny.get_config()
+  config.rollout.max_new_tokens = 12
+  config.optim.update(lr=lr, micro_batch_size=2, mini_batches=1)
+  return config
+
+
+def train(params, steps, config=None):
+  """`steps` learner steps of LoRA `params` on fixed groups; returns (params, opt)."""
+  config = config or _config()
+  act = actor.Actor(config, CFG, pad_id=0)
+  opt_state = learner.make_optimizer(config.optim).init(params.adapters)
+  for step in range(steps):
+    params, opt_state, metrics = act.update(params, opt_state, _groups(seed=step), True,
+                                            np.random.default_rng(step))
+    assert metrics["skipped"] == 0
+  return params, opt_state
+
+
+def test_a_step_trains_the_adapters_alone():
+  """After a step the base's bytes are those it started with, every B has moved off
+  zero, and the optimizer state holds adapter-shaped leaves only."""
+  params = _lora_params()
+  base_bytes = [np.asarray(x).tobytes() for x in jax.tree.leaves(params.base)]
+  params, opt_state = train(params, 1)
+  assert [np.asarray(x).tobytes() for x in jax.tree.leaves(params.base)] == base_bytes
+  for path, b in jax.tree_util.tree_leaves_with_path(params.adapters):
+    if path[-1].key == "b":
+      assert float(jnp.abs(b).max()) > 0, jax.tree_util.keystr(path)
+  adapter_shapes = {x.shape for x in jax.tree.leaves(params.adapters)}
+  for leaf in jax.tree.leaves(opt_state):
+    assert leaf.ndim == 0 or leaf.shape in adapter_shapes, leaf.shape
+  n_adapter = sum(x.size for x in jax.tree.leaves(params.adapters))
+  assert sum(x.size for x in jax.tree.leaves(opt_state) if x.ndim) == 2 * n_adapter
