@@ -13,7 +13,7 @@ gamma, lowest-entropy selection, Gaussian bucket weights and Dr.GRPO advantages.
 Each evaluation scores all 60 held-out problems greedily (val/greedy_score) and by avg@4
 at temperature 0.6 (val/avg_score). The step count is what lets 16 runs (5 seeds of
 on-policy and of ExGRPO, 3 of each ablation) fit in about two hours on 2 CPU cores
-(scripts/reproduce_small.sh). No HF export and one checkpoint kept: 16 workdirs.
+(docs/results.md, "Reproduce"). No HF export and one checkpoint kept: 16 workdirs.
 """
 
 from configs import common
@@ -28,7 +28,7 @@ def get_config(arg=None):
   c.train.keep_checkpoints = 1
   c.train.export_dir = ""
   # The step-0 evaluation is the same for every method of a seed (same weights, same
-  # key): reproduce_small.sh asks for it in the on-policy run only.
+  # key): the on-policy run of a seed asks for it (--config.eval.before_train=True).
   c.eval.before_train = False
   c.eval.every = 8
   c.eval.limit = 0  # the whole held-out split (data.arithmetic.eval_size = 60)

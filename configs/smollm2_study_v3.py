@@ -15,7 +15,8 @@ a seed). The first 160 graded completions of each evaluation go to eval_samples.
 for reading the correct ones by hand.
 
 The arms are variants: the default (ExGRPO at rho = 0.25), `onpolicy`, `noreplay`;
-scripts/study_v3.py runs them with the protocol's seeds and stages.
+the study runner runs them with the protocol's seeds and stages (configs/study_v3.py:
+`python -m exgrpo_jax.study run --config=configs/study_v3.py --out=runs/study_v3`).
 """
 
 from configs import common

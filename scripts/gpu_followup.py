@@ -11,11 +11,12 @@ decode  the JAX engine's bfloat16 tokens/s (EOS ignored, 128 new tokens) and dec
         static loop and continuous batching at 16 and 64 decode steps a chunk; each
         variant in a process of its own (XLA reads its flags once), a share of the
         budget each; the HBM bound beside each (`bench_sampler.bandwidth_bound`).
-study   evidence v3's primary pair, the protocol of scripts/study_v3.py unchanged, for
+study   evidence v3's primary pair, the protocol of configs/study_v3.py unchanged, for
         seeds 1, 2, ... with `--jobs` runs at once on the one device (each with its
-        share of the memory), until the budget: one summary per finished run, as the
-        CPU study writes them, in `<dir of --out>/study_gpu_runs/`. A replicate of its
-        own: never pooled with the CPU runs.
+        share of the memory), until the budget, through the study runner
+        (exgrpo_jax/study): one summary per finished run, as the CPU study writes them, in
+        `<dir of --out>/study_gpu_runs/`, which `python -m exgrpo_jax.study report
+        --summaries` reads. A replicate of its own: never pooled with the CPU runs.
 
 The JSON is rewritten after every measurement and run. A rerun with the same --out
 skips what it holds; a run cut at the budget resumes from its checkpoint in --workdir
@@ -33,6 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from exgrpo_jax import cli  # pylint: disable=wrong-import-position
 from scripts import accelerator_check  # pylint: disable=wrong-import-position
 
 ALL_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
@@ -50,7 +52,7 @@ MEASUREMENTS = [(model, batch, engine) for model, batch in (
     ("smollm2", 256), ("qwen", 8), ("qwen", 256)) for engine in ENGINES]
 NEW_TOKENS, REPEATS = 128, 3
 BUDGETS_S = dict(decode=170, study=330)
-PAIR = ("onpolicy", "exgrpo")
+STUDY_CONFIG = os.path.join(ROOT, "configs", "study_v3.py")
 
 
 def key(variant: str, model: str, batch: int, engine: str) -> str:
@@ -119,11 +121,11 @@ def decode(report: dict, budget_s: float, smoke: bool, write) -> None:
       write()
 
 
-def study(report: dict, budget_s: float, jobs: int, out_dir: str, workdir: str,
+def study(report: dict, budget_s: float, jobs: int, summaries: str, workdir: str,
           smoke: bool, write) -> None:
-  import study_v3  # pylint: disable=g-import-not-at-top
-  summaries = os.path.join(out_dir, "study_gpu_runs")
-  os.makedirs(summaries, exist_ok=True)
+  from exgrpo_jax.study import protocol  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.study import runs as study_runs  # pylint: disable=g-import-not-at-top
+  config = protocol.load(STUDY_CONFIG)
   runs = report.setdefault("study", {"jobs": jobs, "runs": {}})["runs"]
   end = time.monotonic() + budget_s
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / jobs:.3f}",
@@ -135,23 +137,21 @@ def study(report: dict, budget_s: float, jobs: int, out_dir: str, workdir: str,
     if left < 30:
       return "not started"
     try:
-      status = study_v3.train(workdir, arm, seed, sys.executable, env=env, extra=extra,
-                              timeout=left)
+      status = study_runs.train(config, workdir, arm, seed, sys.executable, env=env,
+                                extra=extra, timeout=left)
     except subprocess.TimeoutExpired:
       return "cut at the budget"
     if status:
       return f"exit {status}"
     if smoke:  # one step is no protocol run: nothing to summarize
       return "smoke step done"
-    with open(os.path.join(summaries, f"{arm}_s{seed}.json"), "w", encoding="utf-8") as f:
-      json.dump(study_v3.summarize_run(study_v3.workdir(workdir, arm, seed), arm, seed), f,
-                indent=1)
+    study_runs.write_summary(config, workdir, summaries, arm, seed)
     return "finished"
 
   # Seed by seed, both arms: pairs finish together.
-  todo = [(arm, seed) for seed in range(1, 2 if smoke else 65) for arm in PAIR
-          if study_v3.summary(summaries, arm, seed) is None
-          and runs.get(f"{arm}_s{seed}") != "smoke step done"]
+  done = protocol.read_summaries(summaries)
+  todo = [(arm, seed) for seed in range(1, 2 if smoke else 65) for arm in config.primary[::-1]
+          if (arm, seed) not in done and runs.get(f"{arm}_s{seed}") != "smoke step done"]
   with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
     futures = {pool.submit(one, *run): run for run in todo}
     for future in concurrent.futures.as_completed(futures):
@@ -168,7 +168,7 @@ def main(argv=None) -> None:
   parser.add_argument("--out", help="the JSON report (required)")
   parser.add_argument("--parts", default="decode,study")
   parser.add_argument("--budget", default="", help="NAME=SECONDS,...")
-  parser.add_argument("--jobs", type=int, default=6)
+  parser.add_argument("--jobs", type=cli.positive_int, default=6)
   parser.add_argument("--workdir", default="/tmp/gpu_followup")
   parser.add_argument("--smoke", action="store_true")
   parser.add_argument("--decode-child", help=argparse.SUPPRESS)
@@ -195,18 +195,30 @@ def main(argv=None) -> None:
       parser.error(f"--budget {item}: give NAME=SECONDS with NAME in {', '.join(BUDGETS_S)}")
     budgets[name] = float(seconds)
   out = os.path.abspath(args.out)
-  os.makedirs(os.path.dirname(out), exist_ok=True)
   report = {}
   if os.path.exists(out):
-    with open(out, encoding="utf-8") as f:
-      report = json.load(f)
+    try:
+      with open(out, encoding="utf-8") as f:
+        report = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      parser.error(f"--out {args.out}: not a follow-up report to continue "
+                   f"({cli.one_line(e)}); name a new file")
+    if not isinstance(report, dict):
+      parser.error(f"--out {args.out}: not a follow-up report to continue; name a new file")
+  summaries = os.path.join(os.path.dirname(out), "study_gpu_runs")
+  if "study" in parts:
+    from exgrpo_jax.study import protocol  # pylint: disable=g-import-not-at-top
+    try:
+      protocol.read_summaries(summaries)
+    except cli.UsageError as e:
+      parser.error(str(e))
+  os.makedirs(os.path.dirname(out), exist_ok=True)
 
   write = lambda: accelerator_check.write(out, report)
   if "decode" in parts:
     decode(report, budgets["decode"], args.smoke, write)
   if "study" in parts:
-    study(report, budgets["study"], args.jobs, os.path.dirname(out), args.workdir,
-          args.smoke, write)
+    study(report, budgets["study"], args.jobs, summaries, args.workdir, args.smoke, write)
   write()
   print(f"wrote {out}")
 

@@ -9,8 +9,7 @@ as a subprocess from the repository root, which must exit 0 and print `expect`; 
 commands from the docs, so a command added to or changed in them fails until it is
 listed here. In `run`, {python} is this interpreter, {tmp} a temporary directory,
 {workdir} the README quick start's run (made once), {tiny_model} a tiny random model
-with SmolLM2's tokenizer, {parquet} a two-question data file and {study} a study
-directory of finished runs.
+with SmolLM2's tokenizer and {parquet} a two-question data file.
 """
 
 import ast
@@ -26,7 +25,6 @@ import pandas as pd
 import pytest
 
 from tests import conftest
-from tests import summarize_study_test
 from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
 DOCS = ("README.md", "BUILD.md", *sorted(
@@ -110,10 +108,9 @@ COMMANDS = [
             run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
             "--batch-sizes 2 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
             expect=r'"continuous"', slow=True),
-    Command("bash scripts/reproduce_small.sh",
-            run="FLAGS='--config.train.steps=1 --config.eval.limit=2' SEEDS=1 "
-            "ABLATION_SEEDS=1 OUT={tmp}/study PYTHON={python} bash scripts/reproduce_small.sh",
-            expect=r"exgrpo-onpolicy", slow=True),
+    Command("python -m exgrpo_jax.study run --config=configs/study_v3.py --out=runs/study_v3",
+            covered="tests/study_test.py::"
+            "test_smoke_study_from_the_readme_command_runs_resumes_and_reports"),
     Command("python scripts/accelerator_check.py [--smoke]",
             covered="tests/accelerator_check_test.py::test_smoke_runs_every_part"),
     Command("pip install \"torch==2.13.0+cpu\"", skip=INSTALL),
@@ -212,8 +209,9 @@ COMMANDS = [
             "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && timeout 560 "
             "python3 scripts/gpu_followup.py --out $OUT/gpu_followup.json --budget "
             "decode=170,study=330 2>&1 | tee $OUT/gpu_followup.log", skip=GPU_MACHINE),
-    Command("python scripts/study_v3_report.py --summaries docs/results/study_v3_gpu_runs "
-            "--json docs/results/study_v3_gpu.json --plots /tmp",
+    Command("python -m exgrpo_jax.study report --config=configs/study_v3.py "
+            "--summaries=docs/results/study_v3_gpu_runs --json=docs/results/study_v3_gpu.json "
+            "--out=/tmp",
             skip="reports the GPU replicate's summaries, which a GPU session writes"),
     Command("python scripts/gpu_followup.py --smoke --out /tmp/gpu_followup.json",
             covered="tests/gpu_followup_test.py::"
@@ -278,16 +276,17 @@ COMMANDS = [
             run="{python} scripts/bench_train.py --config=configs/tiny.py --variants=exgrpo "
             "--steps=1 --warmup=0 --baseline=model.remat=full,train.prompt_bucket=64",
             expect=r'"exgrpo/over_baseline"', slow=True),
-    Command("python scripts/study_v3.py run",
-            skip="the study itself: hours of training (its stage and health rules: "
-            "tests/study_v3_test.py)"),
-    Command("python scripts/study_v3.py status",
-            run="{python} scripts/study_v3.py status --summaries {tmp}", expect=r"stage 1"),
-    Command("python scripts/study_v3_report.py",
-            covered="tests/study_v3_test.py::test_the_report_writes_its_json_and_figures"),
-    Command("python scripts/summarize_study.py --study runs/study --plots docs/results",
-            run="{python} scripts/summarize_study.py --study {study} --plots {tmp}/plots",
-            expect=r"exgrpo-onpolicy"),
+    Command("python -m exgrpo_jax.study status --config=configs/study_v3.py "
+            "--out=runs/study_v3",
+            run="{python} -m exgrpo_jax.study status --config=configs/study_v3.py "
+            "--out={tmp}/study_v3", expect=r"stage 1; next: onpolicy_s1 exgrpo_s1"),
+    Command("python -m exgrpo_jax.study report --config=configs/study_v3.py "
+            "--out=runs/study_v3",
+            covered="tests/study_test.py::test_the_report_writes_its_json_and_figures"),
+    Command("python -m exgrpo_jax.study report --config=configs/study_v3.py "
+            "--summaries=docs/results/study_v3_runs --out=docs/results",
+            covered="tests/study_test.py::"
+            "test_the_committed_report_is_reproduced_from_the_committed_summaries"),
     Command("python -m exgrpo_jax.train --config=configs/smollm2_study.py:exgrpo "
             "--config.train.seed=2 --workdir=runs/study/exgrpo_s2",
             run="{python} -m exgrpo_jax.train --config=configs/smollm2_study.py:exgrpo "
@@ -450,12 +449,6 @@ def _parquet(directory) -> str:
   return path
 
 
-def _study(directory) -> str:
-  for method, seed in summarize_study_test.GREEDY:
-    summarize_study_test._write_run(directory, method, seed)  # pylint: disable=protected-access
-  return directory
-
-
 def _check(command: Command, proc: subprocess.CompletedProcess) -> None:
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, (f"{command.shown}\nran: {proc.args[-1]}\nexit "
@@ -491,8 +484,6 @@ def test_command_runs(command, request, tmp_path):
     fields["tiny_model"] = request.getfixturevalue("tiny_dir")
   if "{parquet}" in command.run:
     fields["parquet"] = _parquet(str(tmp_path))
-  if "{study}" in command.run:
-    fields["study"] = _study(str(tmp_path / "study"))
   line = command.run.format(**fields)
   _check(command, _run(line))
 

@@ -24,11 +24,32 @@ def _run(*args, **kwargs):
     (["--out", "x.json", "--budget", "learner=60"], "--budget learner=60: give NAME=SECONDS"),
     (["--out", "x.json", "--parts", "decode,tests"],
      "--parts: unknown tests; known: decode, study"),
-    ([], "--out is required")])
+    ([], "--out is required"),
+    (["--out", "x.json", "--jobs", "0"], "argument --jobs: must be at least 1, got 0")])
 def test_bad_arguments_get_one_line(args, line, tmp_path):
   proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True,
                         text=True, timeout=60, check=False)
   assert proc.returncode == 2 and line in proc.stderr.strip().splitlines()[-1]
+  assert "Traceback" not in proc.stderr and not os.listdir(tmp_path)  # nothing written
+
+
+@pytest.mark.parametrize("name, text, line", [
+    ("notes.txt", "not JSON\n", "--out notes.txt: not a follow-up report to continue "
+                                 "(Expecting value: line 1 column 1 (char 0)); name a new file"),
+    ("study_gpu_runs/exgrpo_s1.json", '{"arm": "exgrpo", "se',
+     "study_gpu_runs/exgrpo_s1.json: damaged run summary (Unterminated string")])
+def test_a_damaged_file_it_would_continue_is_named_in_one_line(tmp_path, name, text, line):
+  """--out at a file that is not a follow-up report, or a study summary cut short in the
+  directory its study part continues: one line naming the file, exit 2, nothing new."""
+  (tmp_path / name).parent.mkdir(exist_ok=True)
+  (tmp_path / name).write_text(text, encoding="utf-8")
+  before = sorted(str(p) for p in tmp_path.rglob("*"))
+  out = "notes.txt" if name == "notes.txt" else "followup.json"
+  proc = subprocess.run([sys.executable, SCRIPT, "--out", out, "--parts", "study"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert line in proc.stderr.strip().splitlines()[-1]
+  assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.slow

@@ -1,0 +1,143 @@
+"""A study's rules: its config, its finished runs' summaries, and what runs next.
+
+  config = protocol.load("configs/study_v3.py", smoke=False)
+  runs = protocol.read_summaries(summaries_dir)     # {(arm, seed): summary}
+  todo, state = protocol.plan(config, runs, exploratory=False)
+
+A study config (configs/study_v3.py) names the arms (a variant of its training config
+and overrides each), the seeds of each stage, the primary pair and its fallback, the
+attribution and exploratory arms, the evaluation steps of the AUC and the health and
+stage rules. `plan` applies them to the finished runs only: stage 1 runs every primary
+and attribution arm seed by seed; above `max_sd` (the SD of stage 1's paired AUC
+differences) the study stops; otherwise the later stages run the primary pair. Unless
+`health.min_healthy` of the primary pair's first-arm runs pass the replay health check,
+the fallback pair reruns by the same stages. Exploratory arms come last, on stage 1's
+seeds, only when asked for.
+"""
+
+import glob
+import json
+import os
+import re
+
+import numpy as np
+
+from exgrpo_jax import cli
+from exgrpo_jax import config_cli
+
+SUMMARY = re.compile(r"(.+)_s(\d+)\.json")
+# What the report reads from every summary; a summary without them is not one.
+SUMMARY_KEYS = ("arm", "seed", "evals", "health", "zero_advantage_share", "curves")
+
+
+def load(path: str, smoke: bool = False):
+  """The study config of file `path` (its "smoke" variant with `smoke`); a bad file is a
+  UsageError naming it."""
+  spec = f"{path}:smoke" if smoke and ":" not in path else path
+  problem = config_cli.config_problem([f"--config={spec}"])
+  if problem:
+    raise cli.UsageError(problem)
+  config = config_cli.load(spec)
+  missing = [k for k in ("name", "train_config", "arms", "primary", "stages", "eval_steps")
+             if k not in config]
+  if missing:
+    raise cli.UsageError(f"--config={spec}: not a study config (no {', '.join(missing)})")
+  return config
+
+
+def arms(config) -> dict:
+  """{arm: (variant of the training config, its own `key=value` overrides)}, in order."""
+  return {name: (variant, tuple(overrides)) for name, variant, overrides in config.arms}
+
+
+def auc(run: dict, eval_steps) -> float:
+  """Mean held-out avg@2 over the evaluation steps."""
+  return float(np.mean([run["evals"][str(s)]["avg@2"] for s in eval_steps]))
+
+
+def healthy(run: dict, health) -> bool:
+  h = run["health"]
+  return (h["buffered_at_10"] >= health.min_buffered
+          and h["replay_share_11_40"] <= health.max_replay_share)
+
+
+def read_summary(path: str) -> dict:
+  """One run's summary; a damaged one (cut short, not a summary) is a UsageError naming
+  the file and what is wrong."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      run = json.load(f)
+  except json.JSONDecodeError as e:
+    raise cli.UsageError(f"{path}: damaged run summary ({e.msg} at line {e.lineno} column "
+                         f"{e.colno}); move it aside to rerun that run") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise cli.UsageError(f"{path}: unreadable run summary ({cli.one_line(e)})") from None
+  missing = [k for k in SUMMARY_KEYS if not isinstance(run, dict) or k not in run]
+  if missing:
+    raise cli.UsageError(f"{path}: not a run summary (no {', '.join(missing)}); move it "
+                         "aside to rerun that run")
+  return run
+
+
+def read_summaries(directory: str) -> dict:
+  """{(arm, seed): summary} of `<directory>/<arm>_s<seed>.json`; none where it is absent."""
+  runs = {}
+  for path in sorted(glob.glob(os.path.join(directory, "*_s*.json"))):
+    match = SUMMARY.fullmatch(os.path.basename(path))
+    if match:
+      runs[match[1], int(match[2])] = read_summary(path)
+  return runs
+
+
+def paired_sd(config, runs: dict, arms, seeds) -> float | None:
+  """SD of the paired AUC differences, None until every pair has finished (or with one)."""
+  if len(seeds) < 2 or any((arm, s) not in runs for s in seeds for arm in arms):
+    return None
+  return float(np.std([auc(runs[arms[0], s], config.eval_steps)
+                       - auc(runs[arms[1], s], config.eval_steps) for s in seeds], ddof=1))
+
+
+def _todo(runs: dict, wanted) -> list:
+  return [r for r in wanted if r not in runs]
+
+
+def _by_stages(config, runs: dict, pair) -> tuple[list, str | None, str]:
+  """The runs of `pair` the stages call for, the stage they belong to, and the state."""
+  for i, seeds in enumerate(config.stages):
+    todo = _todo(runs, [(arm, s) for s in seeds for arm in pair[::-1]])
+    if todo:
+      return todo, f"stage {i + 1}", ""
+    sd = paired_sd(config, runs, pair, seeds) if i == 0 else None
+    if i == 0 and sd is not None and sd > config.max_sd:
+      return [], None, (f"stopped after stage 1: paired AUC SD {100 * sd:.1f} > "
+                        f"{100 * config.max_sd:.0f} points")
+  return [], None, ""
+
+
+def plan(config, runs: dict, exploratory: bool) -> tuple[list, str]:
+  """The (arm, seed) runs the rules call for now, in order, and the study's state."""
+  first = config.stages[0]
+  todo = _todo(runs, [(arm, s) for s in first
+                      for arm in (*config.primary[::-1], *config.attribution)])
+  if todo:
+    return todo, "stage 1"
+  todo, stage, stopped = _by_stages(config, runs, config.primary)
+  if stopped:
+    return [], stopped
+  if todo:
+    return todo, stage
+  pairs = config.primary
+  seeds = [s for stage_seeds in config.stages for s in stage_seeds]
+  passing = sum(healthy(runs[config.primary[0], s], config.health) for s in seeds)
+  state = f"done: {passing} of {len(seeds)} ExGRPO runs healthy"
+  if passing < config.health.min_healthy:
+    pairs = config.fallback
+    todo, stage, stopped = _by_stages(config, runs, config.fallback)
+    if todo:
+      return todo, f"fallback {stage} ({passing} of {len(seeds)} ExGRPO runs healthy)"
+    state = "fallback done"
+  if exploratory:
+    todo = _todo(runs, [(arm, s) for arm in config.exploratory for s in first])
+    if todo:
+      return todo, "exploratory " + " ".join(config.exploratory)
+  return [], f"{state} (pairs {pairs[0]} - {pairs[1]})"

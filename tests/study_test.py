@@ -1,0 +1,282 @@
+"""The study runner (`python -m exgrpo_jax.study`, exgrpo_jax/study) with evidence v3's
+config: the pre-registered stage, health and verdict rules on synthetic runs, the run
+summary on a synthetic metrics.jsonl, the committed report reproduced from the committed
+summaries, a smoke study from the README's command, and its bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from exgrpo_jax.study import protocol
+from exgrpo_jax.study import report as study_report
+from exgrpo_jax.study import runs as study_runs
+from tests import conftest
+
+pytest.importorskip("scipy")
+
+CONFIG = protocol.load(os.path.join(conftest.REPO_ROOT, "configs", "study_v3.py"))
+COMMITTED = os.path.join(conftest.REPO_ROOT, "docs", "results", "study_v3_runs")
+
+
+def plan(out, exploratory=False):
+  return protocol.plan(CONFIG, protocol.read_summaries(out), exploratory)
+
+
+def report(out):
+  return study_report.report(CONFIG, protocol.read_summaries(out))
+
+
+def cli(*args, cwd=conftest.REPO_ROOT, timeout=600):
+  return subprocess.run([sys.executable, "-m", "exgrpo_jax.study", *args], cwd=cwd,
+                        env=conftest.subprocess_env(), capture_output=True, text=True,
+                        timeout=timeout, check=False)
+
+
+def fake_run(out, arm, seed, auc, start=0.2, buffered=8, replayed=1, zero=0.5):
+  """A run summary whose avg@2 is `auc` at every step from 10 (so its AUC is `auc`)."""
+  evals = {str(s): {"avg@2": auc, "greedy": auc} for s in CONFIG.eval_steps}
+  if arm.startswith("onpolicy"):
+    evals["0"] = {"avg@2": start, "greedy": start}
+  run = {"arm": arm, "seed": seed, "commits": ["abc"], "evals": evals,
+         "health": {"buffered_at_10": buffered, "replay_share_11_40": replayed / buffered,
+                    "replay_solve_all": 0.0},
+         "zero_advantage_share": zero,
+         "curves": {name: [0.0] * 40 for name in (
+             "fresh_solved", "entropy", "length", "on_ratio_max", "off_ratio_max",
+             "grad_norm", "buffered", "replayed", "retired", "solve_none", "solve_all",
+             "step_s")}}
+  with open(os.path.join(out, f"{arm}_s{seed}.json"), "w", encoding="utf-8") as f:
+    json.dump(run, f)
+
+
+def stage1(out, diffs, start=0.2, **exgrpo):
+  for seed, d in zip(CONFIG.stages[0], diffs):
+    fake_run(out, "onpolicy", seed, 0.4, start=start)
+    fake_run(out, "exgrpo", seed, 0.4 + d, **exgrpo)
+    fake_run(out, "noreplay", seed, 0.4)
+    fake_run(out, "delayed", seed, 0.4)
+
+
+def test_stage_one_runs_every_arm_seed_by_seed(tmp_path):
+  todo, state = plan(str(tmp_path))
+  assert state == "stage 1"
+  assert todo[:5] == [("onpolicy", 1), ("exgrpo", 1), ("noreplay", 1), ("delayed", 1),
+                      ("onpolicy", 2)]
+  assert len(todo) == 16
+  fake_run(str(tmp_path), "onpolicy", 1, 0.4)
+  assert plan(str(tmp_path))[0][0] == ("exgrpo", 1)
+
+
+def test_a_noisy_stage_one_stops_the_study(tmp_path):
+  stage1(str(tmp_path), [0.3, -0.2, 0.1, -0.1])  # SD 22 points
+  todo, state = plan(str(tmp_path), exploratory=True)
+  assert todo == [] and state.startswith("stopped after stage 1: paired AUC SD 22.2")
+  rules = report(str(tmp_path))["rules"]
+  assert rules["verdict"].startswith("not resolvable at this budget: paired SD 22.2")
+
+
+def test_a_quiet_stage_one_goes_on_to_seeds_5_to_8_then_exploratory(tmp_path):
+  out = str(tmp_path)
+  stage1(out, [0.05, 0.06, 0.04, 0.05])
+  todo, state = plan(out)
+  assert state == "stage 2" and todo == [(arm, s) for s in (5, 6, 7, 8)
+                                         for arm in ("onpolicy", "exgrpo")]
+  for seed in (5, 6, 7, 8):
+    fake_run(out, "onpolicy", seed, 0.4)
+    fake_run(out, "exgrpo", seed, 0.45)
+  assert plan(out) == (
+      [], "done: 8 of 8 ExGRPO runs healthy (pairs exgrpo - onpolicy)")
+  assert plan(out, exploratory=True)[0] == [("rho50", s) for s in (1, 2, 3, 4)]
+
+
+def test_unhealthy_replay_reruns_both_arms_at_rho_0125_with_8_questions(tmp_path):
+  out = str(tmp_path)
+  stage1(out, [0.05, 0.06, 0.04, 0.05], buffered=3)  # too few buffered at step 10
+  for seed in (5, 6, 7, 8):
+    fake_run(out, "onpolicy", seed, 0.4)
+    fake_run(out, "exgrpo", seed, 0.45, buffered=3)
+  todo, state = plan(out)
+  assert state == "fallback stage 1 (0 of 8 ExGRPO runs healthy)"
+  assert todo[:2] == [("onpolicy_b8", 1), ("exgrpo_b8", 1)]
+  assert protocol.arms(CONFIG)["exgrpo_b8"] == ("exgrpo", ("algo.rho=0.125",
+                                                            "train.batch_questions=8"))
+
+
+@pytest.mark.parametrize("diff, zero, verdict", [
+    (0.05, 0.3, "support"),            # d > 0, p < 0.05, healthy, fewer zero-adv groups
+    (0.10, 0.6, "inconclusive"),       # the mechanism's figure does not follow
+    (-0.02, 0.3, "no rescue-sized effect"),
+])
+def test_the_verdict_follows_the_written_rules(tmp_path, diff, zero, verdict):
+  out = str(tmp_path)
+  jitter = [0.01, -0.01, 0.005, -0.005, 0.0, 0.01, -0.01, 0.0]
+  stage1(out, [diff + j for j in jitter[:4]], zero=zero)
+  for seed, j in zip((5, 6, 7, 8), jitter[4:]):
+    fake_run(out, "onpolicy", seed, 0.4)
+    fake_run(out, "exgrpo", seed, 0.4 + diff + j, zero=zero)
+  result = report(out)
+  assert result["rules"]["verdict"].startswith(verdict)
+  assert result["primary"]["n"] == 8
+  np.testing.assert_allclose(result["primary"]["mean"], diff + np.mean(jitter))
+  assert len(result["attribution"]) == 4  # noreplay, delayed x both primary arms
+  assert result["rules"]["manipulation_check"]  # 0.4 against 0.2 at step 0
+
+
+def test_no_arm_learning_is_too_hard(tmp_path):
+  # Every arm ends where the untrained model started (avg@2 0.39 at step 0).
+  stage1(str(tmp_path), [0.0, 0.01, -0.01, 0.0], start=0.39)
+  verdict = report(str(tmp_path))["rules"]["verdict"]
+  assert verdict.startswith("too hard at this budget")
+
+
+def test_run_summary_reads_evaluations_health_and_curves(tmp_path):
+  wd = str(tmp_path)
+  rows = [{"step": 0, "val/avg_score": 0.2, "val/greedy_score": 0.25}]
+  for step in range(1, 41):
+    row = {"step": step, "batch/solve_all": 0.25, "batch/solve_none": 0.5,
+           "batch/fresh_solved": 0.1, "experience/questions": step,
+           "experience/batch_size": 1 if step > 1 else 0,
+           "experience/replay_solve_all": 1.0 if step % 2 else 0.0}
+    if step % 10 == 0:
+      row.update({"val/avg_score": 0.3, "val/greedy_score": 0.35})
+    rows.append(row)
+  rows.append(dict(rows[5]))  # a resumed run logs step 5 again: counted once
+  with open(os.path.join(wd, "metrics.jsonl"), "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  with open(os.path.join(wd, "commits.txt"), "w", encoding="utf-8") as f:
+    f.write("abc\nabc\ndef+dirty\n")
+  samples = [{"step": step, "problem": f"What is {i} + 1?", "ground_truth": str(i + 1),
+              "response": f"{i} + 1 = {i + 1}", "reward": float(i % 2)}
+             for step in (30, 40) for i in range(120)]
+  with open(os.path.join(wd, "eval_samples.jsonl"), "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in samples)
+  run = study_runs.summarize_run(CONFIG, wd, "exgrpo", 3)
+  assert run["commits"] == ["abc", "def+dirty"]
+  assert run["evals"]["0"] == {"avg@2": 0.2, "greedy": 0.25} and len(run["evals"]) == 5
+  assert protocol.auc(run, CONFIG.eval_steps) == pytest.approx(0.3)
+  assert run["health"]["buffered_at_10"] == 10
+  np.testing.assert_allclose(run["health"]["replay_share_11_40"],
+                             np.mean([1 / s for s in range(11, 41)]))
+  # Steps 2-40 replay; the odd ones (3, 5, ..., 39) solved their replay groups K/K.
+  np.testing.assert_allclose(run["health"]["replay_solve_all"], 19 / 39)
+  assert run["zero_advantage_share"] == 0.75
+  assert len(run["curves"]["entropy"]) == 40
+  assert len(run["correct_at_40"]) == 50
+  assert run["correct_at_40"][0] == {"problem": "What is 1 + 1?", "ground_truth": "2",
+                                     "response": "1 + 1 = 2"}
+
+
+def test_the_report_writes_its_json_and_figures(tmp_path):
+  out = tmp_path / "study"
+  (out / "summaries").mkdir(parents=True)
+  stage1(str(out / "summaries"), [0.05, 0.06, 0.04, 0.05])
+  proc = cli("report", "--config=configs/study_v3.py", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr
+  with open(out / "study_v3.json", encoding="utf-8") as f:
+    result = json.load(f)
+  assert result["rules"]["verdict"] == "pending: 4 of 8 pairs"
+  assert len(result["runs"]) == 16 and result["primary"]["n"] == 4
+  assert sorted(result["arms"]) == ["delayed", "exgrpo", "noreplay", "onpolicy"]
+  onpolicy = result["arms"]["onpolicy"]
+  assert onpolicy["collapses"] == 0 and onpolicy["auc"] == pytest.approx(0.4)
+  assert set(onpolicy["entropy"]) == {"10", "20", "30", "40"}
+  assert sorted(os.listdir(out)) == ["study_v3.json", "study_v3_accuracy.png",
+                                     "study_v3_dynamics.png", "study_v3_paired.png",
+                                     "summaries"]
+
+
+def test_a_collapse_is_greedy_accuracy_down_5_points_from_step_0(tmp_path):
+  fake_run(str(tmp_path), "onpolicy", 1, 0.40, start=0.46)  # down 6 points
+  fake_run(str(tmp_path), "onpolicy", 2, 0.40, start=0.44)  # down 4 points
+  runs = study_report.by_arm(CONFIG, protocol.read_summaries(str(tmp_path)))
+  assert study_report.arm_summary(CONFIG, runs["onpolicy"])["collapses"] == 1
+
+
+def test_the_committed_report_is_reproduced_from_the_committed_summaries(tmp_path):
+  """docs/results.md's command, pointed at the committed summaries: the same JSON, byte
+  for byte, and the committed figures' names."""
+  proc = cli("report", "--config=configs/study_v3.py", f"--summaries={COMMITTED}",
+             f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr
+  with open(tmp_path / "study_v3.json", encoding="utf-8") as f, open(
+      os.path.join(conftest.REPO_ROOT, "docs", "results", "study_v3.json"),
+      encoding="utf-8") as g:
+    assert f.read() == g.read()
+  assert sorted(os.listdir(tmp_path)) == ["study_v3.json", "study_v3_accuracy.png",
+                                          "study_v3_dynamics.png", "study_v3_paired.png"]
+
+
+def test_smoke_study_from_the_readme_command_runs_resumes_and_reports(tmp_path):
+  """The README's command with --smoke into a new directory, from the repository as a
+  clone has it: both runs of seed 1 train and leave a summary (no checkpoints), status
+  and report read them, and a rerun trains nothing."""
+  out = str(tmp_path / "study")
+  proc = cli("run", "--config=configs/study_v3.py", f"--out={out}", "--smoke")
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert lines[0] == "[study] stage 1: 2 run(s) to go"
+  assert lines[1] == f"[study] onpolicy seed 1: {out}/onpolicy_s1/train.log"
+  assert "[study] done: 0 of 1 ExGRPO runs healthy (pairs exgrpo - onpolicy): 0 run(s) " \
+         "to go" in lines
+  assert sorted(os.listdir(os.path.join(out, "summaries"))) == ["exgrpo_s1.json",
+                                                                 "onpolicy_s1.json"]
+  for arm in ("onpolicy", "exgrpo"):
+    assert not os.path.exists(os.path.join(out, f"{arm}_s1", "checkpoints"))
+    summary = protocol.read_summary(os.path.join(out, "summaries", f"{arm}_s1.json"))
+    assert set(summary["evals"]) == ({"0", "1", "2"} if arm == "onpolicy" else {"1", "2"})
+    assert len(summary["curves"]["entropy"]) == 2
+  proc = cli("status", "--config=configs/study_v3.py", f"--out={out}", "--smoke")
+  assert proc.stdout.splitlines() == [
+      "finished (2): exgrpo_s1 onpolicy_s1",
+      "done: 0 of 1 ExGRPO runs healthy (pairs exgrpo - onpolicy); next: -"]
+  proc = cli("report", "--config=configs/study_v3.py", f"--out={out}", "--smoke")
+  assert proc.returncode == 0, proc.stderr
+  with open(os.path.join(out, "study_v3.json"), encoding="utf-8") as f:
+    result = json.load(f)
+  assert result["primary"]["n"] == 1 and result["config"] == "configs/tiny.py"
+  proc = cli("run", "--config=configs/study_v3.py", f"--out={out}", "--smoke")
+  assert proc.returncode == 0 and "onpolicy seed" not in proc.stdout, proc.stdout
+
+
+def _damaged(tmp_path):
+  out = tmp_path / "study"
+  (out / "summaries").mkdir(parents=True)
+  stage1(str(out / "summaries"), [0.05, 0.06, 0.04, 0.05])
+  path = out / "summaries" / "exgrpo_s2.json"
+  text = path.read_text(encoding="utf-8")
+  path.write_text(text[:len(text) // 2], encoding="utf-8")
+  return out, path
+
+
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_a_summary_cut_in_half_is_named_in_one_line(tmp_path, command):
+  out, path = _damaged(tmp_path)
+  before = sorted(os.listdir(out))
+  proc = cli(command, "--config=configs/study_v3.py", f"--out={out}")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  line, = proc.stderr.strip().splitlines()
+  assert line.startswith(f"exgrpo_jax.study: {path}: damaged run summary (")
+  assert sorted(os.listdir(out)) == before
+
+
+def test_a_missing_interpreter_is_refused_before_anything_is_written(tmp_path):
+  out = tmp_path / "study"
+  proc = cli("run", "--config=configs/study_v3.py", f"--out={out}", "--python",
+             str(tmp_path / "no_python"))
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      f"exgrpo_jax.study: --python {tmp_path / 'no_python'}: no such interpreter"]
+  assert not out.exists()
+
+
+def test_the_committed_results_are_never_a_run_directory(tmp_path):
+  """`run --out` at the committed summaries is refused: they are not its own runs."""
+  before = sorted(os.listdir(COMMITTED))
+  config = os.path.join(conftest.REPO_ROOT, "configs", "study_v3.py")
+  proc = cli("run", f"--config={config}", f"--out={COMMITTED}", cwd=tmp_path)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.startswith(f"exgrpo_jax.study: --out {COMMITTED}: inside the committed")
+  assert sorted(os.listdir(COMMITTED)) == before
