@@ -20,6 +20,7 @@ import ml_collections
 
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import rgym
+from exgrpo_jax.models import lora
 from exgrpo_jax.sampling import pages
 from exgrpo_jax.training import padding
 
@@ -65,6 +66,10 @@ def base_config() -> ml_collections.ConfigDict:
       # auto = highest for float32 compute (JAX's default is TF32 on NVIDIA GPUs), default
       # for bfloat16; default | high | highest force one (models/config.py)
       matmul_precision="auto",
+      # Low-rank adapters (docs/lora.md): rank 0 = off, full fine-tuning. The update is
+      # (alpha / rank) x A @ B on each target projection; base_quant: none (frozen base
+      # in model.dtype) | int8 | nf4 (QLoRA, not available yet).
+      lora=ml_collections.ConfigDict(dict(lora.DEFAULTS, targets=list(lora.TARGETS))),
   ))
 
   # Relative data paths: the working directory's where they exist there, else under `dir`;

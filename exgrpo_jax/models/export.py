@@ -20,11 +20,14 @@ import numpy as np
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import hf_keys
 from exgrpo_jax.models import loading
+from exgrpo_jax.models import lora
 from exgrpo_jax.models import safetensors_io
 
 
 def hf_state_dict(cfg: config_lib.ModelConfig, params, dtype: str | None = None):
-  """Yields (HF name, numpy array) for every tensor, one at a time."""
+  """Yields (HF name, numpy array) for every tensor, one at a time (LoRA params: of the
+  merged model, `lora.merged`)."""
+  params = lora.merged(params)
   np_dtype = np.dtype(config_lib.dtype_from_name(dtype)) if dtype else None
   for template, path, layout in hf_keys.key_table(cfg):
     array = params

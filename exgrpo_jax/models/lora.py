@@ -43,6 +43,35 @@ _TARGETS = {
 TARGETS = tuple(_TARGETS)
 RANK_AXIS = "lora_rank"
 BASE_QUANTS = ("none", "int8", "nf4")
+# The `model.lora` config section's defaults (configs/common.py).
+DEFAULTS = dict(rank=0, alpha=16.0, targets=list(TARGETS), base_quant="none")
+
+
+def config_problems(lora_config) -> list[str]:
+  """One line per bad value of a `model.lora` config section (`config_check`)."""
+  key = lambda name: f"config.model.lora.{name}={lora_config[name]!r}"
+  rank = lora_config.rank
+  if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+    return [f"{key('rank')}: must be a whole number >= 0 (0 = off: full fine-tuning)"]
+  if rank == 0:
+    return [f"{key(name)}: set only with model.lora.rank > 0 (rank 0 is full fine-tuning)"
+            for name, default in DEFAULTS.items()
+            if name != "rank" and lora_config[name] != default]
+  lines = []
+  alpha = lora_config.alpha
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+    lines.append(f"{key('alpha')}: must be a number > 0 (the update's scale is alpha/rank)")
+  targets = list(lora_config.targets)
+  unknown = [t for t in targets if t not in _TARGETS]
+  if unknown or not targets or len(set(targets)) != len(targets):
+    lines.append(f"{key('targets')}: name each weight once, from {', '.join(TARGETS)}"
+                 + (f" ({', '.join(map(str, unknown))} names no weight)" if unknown else ""))
+  if lora_config.base_quant not in BASE_QUANTS:
+    lines.append(f"{key('base_quant')}: must be one of {', '.join(BASE_QUANTS)}")
+  elif lora_config.base_quant != "none":
+    lines.append(f"{key('base_quant')}: a quantized base (QLoRA) is not available yet; "
+                 "use none (the frozen base in model.dtype)")
+  return lines
 
 
 @flax.struct.dataclass

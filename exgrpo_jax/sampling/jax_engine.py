@@ -41,6 +41,7 @@ import numpy as np
 from exgrpo_jax import models
 from exgrpo_jax import sharding
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import lora
 from exgrpo_jax.sampling import base
 from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import decode
@@ -181,7 +182,9 @@ class JaxEngine:
                             sampling.stop_strings, self.pad_id)
 
   def _rollout_params(self, params):
-    """The rollout copy of sharded params (see the module docstring); others as they are."""
+    """The rollout copy of sharded params (see the module docstring); others as they are.
+    LoRA params arrive merged (`lora.merged`): every call samples the current adapter."""
+    params = lora.merged(params)
     mesh = sharding.mesh_of(params)
     return params if mesh is None else self.rollout_copy_program(mesh)(params)
 

@@ -64,6 +64,7 @@ from jax.experimental import multihost_utils
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import hf_keys
 from exgrpo_jax.models import loading
+from exgrpo_jax.models import lora
 from exgrpo_jax.sampling import base
 from exgrpo_jax.sampling import outputs
 from exgrpo_jax.sampling import vllm_console
@@ -363,8 +364,9 @@ class VllmEngine:
         ref() is leaf for ref, leaf in zip(self._loaded, leaves))
 
   def update_weights(self, params) -> None:
-    """Loads `params` into vLLM's model (on the device, compute dtype)."""
-    weights = torch_weights(self.model_cfg, params, self.model_cfg.dtype)
+    """Loads `params` into vLLM's model (on the device, compute dtype); LoRA params
+    merged (`lora.merged`), so vLLM samples the current adapter."""
+    weights = torch_weights(self.model_cfg, lora.merged(params), self.model_cfg.dtype)
     self.llm.collective_rpc(_reload_weights, args=(weights, self.model_cfg.tie_word_embeddings))
     self._loaded = [weakref.ref(leaf) for leaf in jax.tree.leaves(params)]
 

@@ -29,6 +29,7 @@ from exgrpo_jax.data import sources as data_sources
 from exgrpo_jax.data import templates
 from exgrpo_jax.models import attention
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import lora
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
 from exgrpo_jax.rewards import graders
@@ -120,6 +121,8 @@ def _check(c) -> None:
   _known("model.matmul_precision", m.matmul_precision, config_lib.MATMUL_PRECISIONS)
   if m.path:
     _file("model.path", m.path)
+  for line in lora.config_problems(m.lora):
+    _problem(line)
 
   _known("data.source", c.data.source, data_sources.SOURCES.names())
   if c.data.source == "file":

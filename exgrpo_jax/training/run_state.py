@@ -8,6 +8,10 @@ step, buffer, data stream, delayed-start flag; PRNG keys are derived from the se
 the step, so they need no storage); (2) `config.model.path` (or random weights for
 `model.random_init`) with a fresh optimizer, buffer and stream.
 
+With LoRA (`model.lora.rank` > 0) `params` is a `lora.LoraParams`: the base is loaded
+as above on every start, the adapters and their optimizer state are what the
+checkpoint holds (`lora_run`).
+
 Params and optimizer state live on the mesh `config.mesh` with the learner's sharding
 rules (`exgrpo_jax.sharding`); they are created, loaded or restored shard by shard, never
 whole on one device. In a multi-process run every process holds the same host state
@@ -28,9 +32,11 @@ from exgrpo_jax import rewards
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.models import loading
+from exgrpo_jax.models import lora
 from exgrpo_jax.replay import buffer as buffer_lib
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import learner
+from exgrpo_jax.training import lora_run
 from exgrpo_jax.training import resume_check
 
 
@@ -76,6 +82,17 @@ class RunState:
     self.params, self.opt_state = learner.abstract_state(self.model_cfg, self._tx, self.mesh)
     self.param_shardings, self.opt_shardings = sharding.shardings_of(
         (self.params, self.opt_state))
+    self._base_fingerprint = None
+    if lora_run.enabled(config):
+      # The learner's trainable params are the adapters; the base keeps param_shardings.
+      self.base_shardings = self.param_shardings
+      self.param_shardings = lora_run.adapter_shardings(config, self.model_cfg, self.mesh)
+      abstract = lora.abstract_adapters(self.model_cfg, m.lora.rank, tuple(m.lora.targets))
+      self.opt_shardings = sharding.optimizer_shardings(self._tx, abstract,
+                                                        self.param_shardings)
+      self.params = sharding.abstract(abstract, self.param_shardings)
+      self.opt_state = sharding.abstract(jax.eval_shape(self._tx.init, abstract),
+                                         self.opt_shardings)
 
     # Custom rewards register themselves on import; the data loader checks reward names.
     rewards.load_plugins(config.reward.plugins)
@@ -129,13 +146,29 @@ class RunState:
     return state
 
   def init_weights(self) -> None:
-    """Initial params (random or `model.path`) and a fresh optimizer, created sharded."""
+    """Initial params (random or `model.path`; with LoRA, the base and new adapters) and
+    a fresh optimizer, created sharded."""
+    if not lora_run.enabled(self.config):
+      self.params = self._base_weights(self.param_shardings)
+      self.opt_state = sharding.init_optimizer(self._tx, self.params, self.opt_shardings)
+      return
+    adapters = lora_run.init_adapters(self.config, self.model_cfg, self.param_shardings)
+    self.params = lora_run.combine(self.config, self._base_weights(self.base_shardings),
+                                   adapters)
+    self.opt_state = sharding.init_optimizer(self._tx, adapters, self.opt_shardings)
+
+  def _base_weights(self, shardings):
     if self.config.model.random_init:
-      self.params = models.init_params(self.model_cfg, jax.random.key(self.config.train.seed),
-                                       self.param_shardings)
-    else:
-      self.params = loading.load_params(self._hf_dir, self.model_cfg, self.param_shardings)
-    self.opt_state = sharding.init_optimizer(self._tx, self.params, self.opt_shardings)
+      return models.init_params(self.model_cfg, jax.random.key(self.config.train.seed),
+                                shardings)
+    return loading.load_params(self._hf_dir, self.model_cfg, shardings)
+
+  def base_fingerprint(self) -> dict:
+    """The LoRA base's path and content hash (`lora_run.base_fingerprint`), computed once."""
+    if self._base_fingerprint is None:
+      path = self.config.model.path or models.default_model_path()
+      self._base_fingerprint = lora_run.base_fingerprint(self.config, path)
+    return self._base_fingerprint
 
   def prompt(self, uid: int) -> data.Prompt:
     return self._by_uid[uid]
@@ -150,9 +183,13 @@ class RunState:
         tokenizer_source=os.path.abspath(self.tokenizer_source)
         if os.path.exists(self.tokenizer_source) else self.tokenizer_source,
         config=self.config.to_dict())
+    trainable = self.params
+    if lora_run.enabled(self.config):
+      meta["lora_base"] = self.base_fingerprint()
+      trainable = self.params.adapters
     host = self.buffer.state_dict()
     self.check_host_state(host, meta)
-    self.store.save(self.step, self.params, self.opt_state, host, meta)
+    self.store.save(self.step, trainable, self.opt_state, host, meta)
 
   def check_host_state(self, host: dict, meta: dict) -> None:
     """Digest of the host state (buffer, stream, counters), checked equal on all processes."""
@@ -168,6 +205,7 @@ class RunState:
     warning line per other change that alters the run (`resume_check`)."""
     warnings = resume_check.check(meta["config"], self.config, meta["step"])
     resume_check.check_model(meta["model_config"], self.model_cfg, self.config)
+    lora_run.check_resume(meta, self.config, self.base_fingerprint)
     for line in warnings:
       print(f"[exgrpo_jax] warning: {line}", file=sys.stderr, flush=True)
 
@@ -176,6 +214,9 @@ class RunState:
     by `check_resume`); the run's config applies from here on (the buffer's sampling and
     caps included)."""
     self.params, self.opt_state = params, opt
+    if lora_run.enabled(self.config):
+      self.params = lora_run.combine(self.config, self._base_weights(self.base_shardings),
+                                     params)
     self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host, self._buffer_config())
     self.stream.load_state_dict(meta["stream"])
     self.step = int(meta["step"])

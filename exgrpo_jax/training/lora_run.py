@@ -1,0 +1,89 @@
+"""A LoRA run's state (`model.lora.rank` > 0): what `RunState` creates, checkpoints and
+checks on resume.
+
+The run's params are `lora.LoraParams`: the frozen base, loaded (or random-initialised)
+exactly as a full fine-tuning run loads its params, and the adapters. Checkpoints hold
+the adapters and their optimizer state only; the base is named in the checkpoint's meta
+by its path and a content hash (`base_fingerprint`), and a resume against another base,
+or with another `model.lora` section, is refused in one line before any array is read.
+"""
+
+import hashlib
+import json
+import os
+
+import jax
+
+from exgrpo_jax.models import lora
+from exgrpo_jax.training import config_check
+
+# Weight files whose bytes identify a Hugging Face base directory.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def enabled(config) -> bool:
+  return config.model.lora.rank > 0
+
+
+def adapter_shardings(config, model_cfg, mesh):
+  c = config.model.lora
+  return lora.adapter_shardings(model_cfg, c.rank, tuple(c.targets), mesh)
+
+
+def init_adapters(config, model_cfg, shardings):
+  """The run's initial adapters, from `train.seed` (a stream apart from the base's)."""
+  c = config.model.lora
+  rng = jax.random.fold_in(jax.random.key(config.train.seed), 1)
+  return lora.init_adapters(model_cfg, c.rank, tuple(c.targets), rng, shardings)
+
+
+def combine(config, base, adapters) -> lora.LoraParams:
+  return lora.LoraParams(base, adapters, lora.scale(config.model.lora))
+
+
+def _sha256_of_files(paths) -> str:
+  digest = hashlib.sha256()
+  for path in paths:
+    digest.update(os.path.basename(path).encode())
+    with open(path, "rb") as f:
+      while chunk := f.read(1 << 24):
+        digest.update(chunk)
+  return digest.hexdigest()
+
+
+def base_fingerprint(config, model_path: str) -> dict:
+  """{"path", "sha256"} of the frozen base: the model file, or a directory's weight files
+  (their bytes, in name order); for `model.random_init`, of its architecture and seed,
+  which determine its weights."""
+  m = config.model
+  if m.random_init:
+    spec = json.dumps(dict(arch=m.arch.to_dict(), seed=config.train.seed,
+                           param_dtype=m.param_dtype), sort_keys=True)
+    return dict(path="random_init", sha256=hashlib.sha256(spec.encode()).hexdigest())
+  if os.path.isfile(model_path):
+    files = [model_path]
+  else:
+    files = sorted(os.path.join(model_path, name) for name in os.listdir(model_path)
+                   if name.endswith(_WEIGHT_SUFFIXES))
+  return dict(path=os.path.abspath(model_path), sha256=_sha256_of_files(files))
+
+
+def check_resume(meta: dict, config, fingerprint) -> None:
+  """Raises ConfigError if the checkpoint with `meta` was trained with another
+  `model.lora` section, or (LoRA) on another base than `fingerprint()` describes."""
+  saved = dict(lora.DEFAULTS, **meta["config"]["model"].get("lora", {}))
+  now = config.model.lora.to_dict()
+  for key in ("rank", "alpha", "targets", "base_quant"):
+    if saved[key] != now[key]:
+      raise config_check.ConfigError(
+          f"config.model.lora.{key}={now[key]!r}: the checkpoint being resumed was trained "
+          f"with {saved[key]!r}; resume with that value or start a new workdir")
+  if not enabled(config):
+    return
+  base, want = fingerprint(), meta.get("lora_base", {})
+  if base["sha256"] != want.get("sha256"):
+    raise config_check.ConfigError(
+        f"config.model.path={config.model.path!r}: the LoRA checkpoint being resumed was "
+        f"trained on the base {want.get('path')!r} (sha256 {want.get('sha256', '?')[:12]}), "
+        f"not {base['path']!r} (sha256 {base['sha256'][:12]}); resume with that base or "
+        "start a new workdir")
