@@ -6,19 +6,28 @@ The reference for "the adapter applied" is the learner's own forward pass on
 reproduce it, and must differ from the base once the adapter has trained.
 """
 
+import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import special
 
 from configs import tiny
 from exgrpo_jax import models
+from exgrpo_jax import sampling
+from exgrpo_jax.models import export
 from exgrpo_jax.models import lora
+from exgrpo_jax.sampling import continuous
+from exgrpo_jax.sampling import vllm_engine
+from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import actor
+from exgrpo_jax.training import config_check
 from exgrpo_jax.training import groups as groups_lib
 from exgrpo_jax.training import learner
+from tests import vllm_stand_in
 
 CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=(1,))
@@ -125,3 +134,95 @@ def test_a_step_trains_the_adapters_alone():
     assert leaf.ndim == 0 or leaf.shape in adapter_shapes, leaf.shape
   n_adapter = sum(x.size for x in jax.tree.leaves(params.adapters))
   assert sum(x.size for x in jax.tree.leaves(opt_state) if x.ndim) == 2 * n_adapter
+
+
+PROMPTS = [[5, 6, 7], list(range(20, 37)), [3, 9, 4, 11, 2, 8, 30, 31, 40]]
+GREEDY = sampling.SamplingConfig(max_new_tokens=10, greedy=True)
+
+
+@pytest.fixture(scope="module")
+def trained():
+  """LoRA params after 3 learner steps (B well off zero)."""
+  return train(_lora_params(), 3, _config(lr=5e-2))[0]
+
+
+def _learner_logp(params, prompt, tokens):
+  """The learner's log-softmax [n, V] at each of `tokens` (teacher-forced, no cache)."""
+  ids = jnp.asarray([list(prompt) + list(tokens)], jnp.int32)
+  logits = np.asarray(models.apply(CFG, params, ids)[0][0], np.float64)
+  logits = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+  return logits - special.logsumexp(logits, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("options", [dict(scheduler="static"), dict(max_rows=2)],
+                         ids=["static", "continuous"])
+def test_the_jax_engine_samples_the_current_adapter(trained, options, monkeypatch):
+  """Greedy rollouts of the trained LoRA policy are the learner's argmax tokens with the
+  learner's log-probs (adapter applied), which differ from the base model's."""
+  continuous_calls = []
+  real = continuous.generate
+  monkeypatch.setattr(continuous, "generate",
+                      lambda *a, **k: continuous_calls.append(1) or real(*a, **k))
+  engine = sampling.make_engine("jax", CFG, None, **options)
+  out = engine.generate(PROMPTS, 2, trained, jax.random.key(0), GREEDY)
+  assert bool(continuous_calls) == ("max_rows" in options)
+  base_gap = 0.0
+  for r, n in enumerate(out.lengths_N):
+    prompt, tokens = PROMPTS[out.prompt_index_N[r]], out.tokens_NxT[r, :n]
+    logp_nxV = _learner_logp(trained, prompt, tokens)
+    np.testing.assert_array_equal(tokens, logp_nxV.argmax(-1))
+    np.testing.assert_allclose(out.logprobs_NxT[r, :n], logp_nxV[np.arange(n), tokens],
+                               atol=1e-5)
+    base_nxV = _learner_logp(trained.base, prompt, tokens)
+    base_gap = max(base_gap, float(np.abs(base_nxV - logp_nxV).max()))
+  assert base_gap > 1e-2
+
+
+def test_vllm_receives_the_merged_weights(monkeypatch):
+  """The vLLM engine (the stand-in) generates with W + s A @ B, not the base."""
+  monkeypatch.setitem(sys.modules, "vllm", vllm_stand_in)
+  monkeypatch.setattr(vllm_engine, "check_available", lambda: "cuda")
+  monkeypatch.setattr(vllm_engine, "_device_bytes", lambda rank: 80 * vllm_setup.GIB)
+  vllm_stand_in.INSTANCES.clear()
+  params = _lora_params()
+  params = params.replace(adapters=jax.tree.map(lambda x: x + 0.05, params.adapters))
+  engine = vllm_engine.VllmEngine(CFG, vllm_stand_in.tiny_tokenizer(CFG.vocab_size),
+                                  vllm_setup.VllmOptions(max_model_len=48))
+  engine.generate(PROMPTS, 1, params, jax.random.key(0), sampling.SamplingConfig(
+      max_new_tokens=4))
+  loaded = vllm_stand_in.INSTANCES[0].generated_with
+  merged = dict(export.hf_state_dict(CFG, lora.merged(params), dtype="float32"))
+  base = dict(export.hf_state_dict(CFG, params.base, dtype="float32"))
+  assert set(loaded) == set(merged)
+  for name, array in merged.items():
+    np.testing.assert_array_equal(loaded[name][2], array, err_msg=name)
+  assert not np.allclose(loaded["model.layers.0.mlp.down_proj.weight"][2],
+                         base["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (dict(rank=-1), "config.model.lora.rank=-1: must be a whole number >= 0"),
+    (dict(rank=True), "config.model.lora.rank=True: must be a whole number >= 0"),
+    (dict(rank=4, alpha=0.0), "config.model.lora.alpha=0.0: must be a number > 0"),
+    (dict(rank=4, targets=["q_proj", "qkv"]),
+     "config.model.lora.targets=['q_proj', 'qkv']: name each weight once, from q_proj"),
+    (dict(rank=4, base_quant="nf4"),
+     "config.model.lora.base_quant='nf4': a quantized base (QLoRA) is not available yet"),
+    (dict(rank=4, base_quant="int4"), "config.model.lora.base_quant='int4': must be one of"),
+    (dict(alpha=32.0), "config.model.lora.alpha=32.0: set only with model.lora.rank > 0"),
+    (dict(targets=["q_proj"]), "config.model.lora.targets=['q_proj']: set only with"),
+])
+def test_bad_lora_values_get_one_line_each(overrides, line):
+  config = tiny.get_config()
+  config.model.lora.update(overrides)
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(config)
+  assert line in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_the_defaults_are_full_fine_tuning():
+  config = tiny.get_config()
+  assert config.model.lora.rank == 0
+  config_check.check(config)
+  config.model.lora.update(rank=1, alpha=2.0, targets=["q_proj", "down_proj"])
+  config_check.check(config)
