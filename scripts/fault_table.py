@@ -58,6 +58,22 @@ CASES = {
     "test_huge_safetensors_header_is_one_line": (INPUT, "huge safetensors header; one line"),
     "test_convert_damaged_workdir_is_one_line": (INPUT, "convert of a damaged workdir; one line"),
     "test_eval_zero_counts_are_usage_errors": (INPUT, "eval --batch-prompts 0 / --n 0; exit 2"),
+    "test_eval_negative_counts_are_usage_errors": (
+        INPUT, "eval --limit -1 / --max-prompt-tokens -3; exit 2"),
+    "test_a_file_that_is_not_gguf_is_named": (INPUT, "a .gguf that is not one; one line"),
+    "test_convert_of_a_workdir_without_a_checkpoint_says_so": (
+        INPUT, "convert of a workdir with no checkpoint; one line"),
+    "test_debug_keeps_a_usage_errors_exit_status": (
+        INPUT, "a config error with --debug; the traceback, exit 2"),
+    "test_a_validation_error_keeps_its_cause": (
+        INPUT, "a pydantic validation error; one line with its cause"),
+    "test_a_header_line_takes_the_line_that_follows": (
+        INPUT, "a multi-line error; its header and the next line"),
+    "test_gpu_runs_without_the_planned_memory_fraction_get_one_warning": (
+        INPUT, "a GPU without XLA_PYTHON_CLIENT_MEM_FRACTION; one warning line"),
+    "test_a_start_refused_after_the_state_is_created_leaves_nothing_behind": (
+        INPUT, "a start refused after the model is read; one line, exit 1, the workdir as "
+               "found"),
     "test_eval_out_is_checked_before_any_work": (
         INPUT, "eval --out unwritable / a directory; one line before work"),
     "test_eval_with_every_prompt_dropped_is_an_error": (
