@@ -5,8 +5,10 @@ summaries, a smoke study from the README's command, and its bad input."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -280,3 +282,32 @@ def test_the_committed_results_are_never_a_run_directory(tmp_path):
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.startswith(f"exgrpo_jax.study: --out {COMMITTED}: inside the committed")
   assert sorted(os.listdir(COMMITTED)) == before
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_runner_stops_the_run_checkpointed_and_a_rerun_resumes(tmp_path):
+  """SIGTERM to the runner alone is passed on to its run, which checkpoints and exits 75
+  (the runner too, with one line saying to rerun); the same command then finishes the
+  study, each step logged once."""
+  out = str(tmp_path / "study")
+  args = [sys.executable, "-m", "exgrpo_jax.study", "run", "--config=configs/study_v3.py",
+          f"--out={out}", "--smoke"]
+  metrics = os.path.join(out, "onpolicy_s1", "metrics.jsonl")
+  with subprocess.Popen(args, cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    while proc.poll() is None:
+      if os.path.exists(metrics) and os.path.getsize(metrics):  # step 0's evaluation
+        proc.send_signal(signal.SIGTERM)
+        break
+      time.sleep(0.2)
+    stdout, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 75, stdout + stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == ("[study] onpolicy seed 1 stopped (exit 75); run "
+                                             "the same command again to resume")
+  proc = cli("run", "--config=configs/study_v3.py", f"--out={out}", "--smoke")
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  with open(metrics, encoding="utf-8") as f:
+    steps = [json.loads(line)["step"] for line in f if line.strip()]
+  assert steps == [0, 1, 2]
+  assert sorted(os.listdir(os.path.join(out, "summaries"))) == ["exgrpo_s1.json",
+                                                                 "onpolicy_s1.json"]

@@ -68,7 +68,7 @@ def read_summary(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
       run = json.load(f)
   except json.JSONDecodeError as e:
-    raise cli.UsageError(f"{path}: damaged run summary ({e.msg} at line {e.lineno} column "
+    raise cli.UsageError(f"{path}: damaged run summary ({e.msg}, line {e.lineno} column "
                          f"{e.colno}); move it aside to rerun that run") from None
   except (OSError, UnicodeDecodeError) as e:
     raise cli.UsageError(f"{path}: unreadable run summary ({cli.one_line(e)})") from None

@@ -14,7 +14,9 @@ checkpoints can go.
 
 import json
 import os
+import signal
 import subprocess
+import threading
 
 import numpy as np
 
@@ -59,15 +61,29 @@ def train(config, out: str, arm: str, seed: int, python: str, env: dict | None =
           extra=(), timeout: float | None = None) -> int:
   """One run (resuming if its workdir has a checkpoint); its exit status. `env`: its
   environment; past `timeout` seconds it is killed (subprocess.TimeoutExpired) and
-  resumes next time."""
+  resumes next time. Ctrl-C (which reaches the run too) and a SIGTERM to this process
+  (passed on to the run) stop it as the trainer stops: checkpointed, exit status 75."""
   wd = workdir(out, arm, seed)
   os.makedirs(wd, exist_ok=True)
   with open(os.path.join(wd, "commits.txt"), "a", encoding="utf-8") as f:
     f.write(commit() + "\n")
   with open(os.path.join(wd, "train.log"), "a", encoding="utf-8") as log:
-    return subprocess.run(command(config, out, arm, seed, python, extra), cwd=ROOT,
-                          stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                          check=False).returncode
+    proc = subprocess.Popen(command(config, out, arm, seed, python, extra), cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(
+        signal.SIGTERM)) if main else None
+    try:
+      return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+      raise
+    except KeyboardInterrupt:  # the run has its own Ctrl-C: it checkpoints, then exits
+      return proc.wait()
+    finally:
+      if main:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def summarize_run(config, wd: str, arm: str, seed: int) -> dict:
