@@ -20,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from exgrpo_jax import checkpointing
 from exgrpo_jax.training import run_log
@@ -33,12 +34,13 @@ COMPARED = ("batch/solved", "batch/replay_started", "actor/pg_loss", "actor/loss
             "response_length/mean")
 
 
-def _start(workdir: str) -> subprocess.Popen:
+def _start(workdir: str, *flags: str) -> subprocess.Popen:
   cmd = [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
          f"--workdir={workdir}", f"--config.train.steps={STEPS}",
          "--config.train.checkpoint_every=1", f"--config.train.keep_checkpoints={STEPS}",
          "--config.reward.plugins=tests.reward_plugins",
-         "--config.reward.name=test_even_length", "--config.algo.delayed_start=0.55"]
+         "--config.reward.name=test_even_length", "--config.algo.delayed_start=0.55",
+         *flags]
   return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
 
@@ -63,9 +65,12 @@ def _wait_for_checkpoint(proc: subprocess.Popen, workdir: str, step: int) -> Non
     time.sleep(0.05)
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--config.model.lora.rank=4", "--config.optim.lr=1e-3")],
+                         ids=["full", "lora"])
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, flags):
+  """Also for a LoRA run, whose checkpoints hold the adapters (compared at the end)."""
   reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
-  reference_proc, proc = _start(reference), _start(killed)
+  reference_proc, proc = _start(reference, *flags), _start(killed, *flags)
   _wait_for_checkpoint(proc, killed, 2)
   proc.send_signal(signal.SIGKILL)
   proc.communicate()
@@ -75,7 +80,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
   assert 2 <= survived.latest_step() < STEPS, "the kill did not land mid-run"
   survived.close()
 
-  _finish(_start(killed))
+  _finish(_start(killed, *flags))
 
   ref_rows, resumed_rows = _last_row_per_step(reference), _last_row_per_step(killed)
   assert sorted(resumed_rows) == list(range(1, STEPS + 1))

@@ -6,6 +6,9 @@ The reference for "the adapter applied" is the learner's own forward pass on
 reproduce it, and must differ from the base once the adapter has trained.
 """
 
+import json
+import os
+import subprocess
 import sys
 import types
 
@@ -16,6 +19,7 @@ import pytest
 from scipy import special
 
 from configs import tiny
+from exgrpo_jax import checkpointing
 from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax.models import export
@@ -27,11 +31,13 @@ from exgrpo_jax.training import actor
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import groups as groups_lib
 from exgrpo_jax.training import learner
+from exgrpo_jax.training import lora_run
 from tests import vllm_stand_in
 
 CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=(1,))
 RANK, ALPHA = 4, 8.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _lora_params(cfg=CFG, seed=0):
@@ -226,3 +232,51 @@ def test_the_defaults_are_full_fine_tuning():
   config_check.check(config)
   config.model.lora.update(rank=1, alpha=2.0, targets=["q_proj", "down_proj"])
   config_check.check(config)
+
+
+def _train_cli(workdir, steps, *flags):
+  return subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.train", "--config=configs/tiny.py",
+       f"--workdir={workdir}", f"--config.train.steps={steps}", "--config.train.export_dir=",
+       "--config.model.lora.rank=4", *flags], cwd=REPO, capture_output=True, text=True,
+      timeout=600)
+
+
+def test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line(tmp_path):
+  """The checkpoint holds the adapters only; a resume whose base differs from the one
+  they were trained on (here: the random base drawn in bfloat16), or with another rank,
+  exits 2 with one line and trains nothing."""
+  first = _train_cli(tmp_path, 1, "--config.train.checkpoint_every=1")
+  assert first.returncode == 0, first.stderr[-3000:]
+  with open(tmp_path / "checkpoints" / "1" / "meta" / "metadata", encoding="utf-8") as f:
+    assert json.load(f)["lora_base"]["path"] == "random_init"
+  for flag, line in [
+      ("--config.model.param_dtype=bfloat16",
+       "config.model.random_init=True: the LoRA checkpoint being resumed was trained on "
+       "the base 'random_init'"),
+      ("--config.model.lora.rank=8",
+       "config.model.lora.rank=8: the checkpoint being resumed was trained with 4")]:
+    refused = _train_cli(tmp_path, 2, flag)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [x for x in refused.stderr.splitlines() if "exgrpo_jax.train:" in x]
+    assert len(errors) == 1 and line in errors[0], refused.stderr[-3000:]
+    assert checkpointing.latest_step_dir(str(tmp_path / "checkpoints")).endswith("1")
+
+
+def test_the_fingerprint_is_the_weight_files_content(tmp_path):
+  """A base directory's hash follows its weight files' bytes (not their dates or other
+  files); another content is refused on resume."""
+  config = tiny.get_config()
+  config.model.update(random_init=False, path=str(tmp_path), lora=dict(rank=4))
+  (tmp_path / "model.safetensors").write_bytes(b"weights")
+  (tmp_path / "config.json").write_text("{}")
+  first = lora_run.base_fingerprint(config, str(tmp_path))
+  (tmp_path / "config.json").write_text('{"a": 1}')
+  assert lora_run.base_fingerprint(config, str(tmp_path)) == first
+  (tmp_path / "model.safetensors").write_bytes(b"weightz")
+  second = lora_run.base_fingerprint(config, str(tmp_path))
+  assert second["path"] == first["path"] and second["sha256"] != first["sha256"]
+  meta = dict(config=config.to_dict(), lora_base=first)
+  lora_run.check_resume(meta, config, lambda: first)
+  with pytest.raises(config_check.ConfigError, match="trained on the base"):
+    lora_run.check_resume(meta, config, lambda: second)

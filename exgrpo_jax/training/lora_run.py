@@ -82,8 +82,9 @@ def check_resume(meta: dict, config, fingerprint) -> None:
     return
   base, want = fingerprint(), meta.get("lora_base", {})
   if base["sha256"] != want.get("sha256"):
+    key = "random_init" if config.model.random_init else "path"
     raise config_check.ConfigError(
-        f"config.model.path={config.model.path!r}: the LoRA checkpoint being resumed was "
+        f"config.model.{key}={config.model[key]!r}: the LoRA checkpoint being resumed was "
         f"trained on the base {want.get('path')!r} (sha256 {want.get('sha256', '?')[:12]}), "
         f"not {base['path']!r} (sha256 {base['sha256'][:12]}); resume with that base or "
         "start a new workdir")
