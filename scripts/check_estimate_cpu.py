@@ -15,9 +15,9 @@ set against a real run, with this CPU as the target:
 
 1. `--warmup` + `--steps` training steps of the config, each step's prompt and response
    lengths and phase times recorded (`timing_s/gen`, `old_logprobs`, `update_actor`);
-2. this CPU's roofline: its float32 matmul rate and memory bandwidth, measured before and
-   after the steps, the better of each (`targets.measured_rates`), as a TPU's or GPU's
-   peak FLOP/s and HBM bandwidth;
+2. this CPU's roofline: its float32 matmul rate and memory bandwidth, measured before the
+   steps and after each, the best of each (`targets.measured_rates`), as a TPU's or
+   GPU's peak FLOP/s and HBM bandwidth;
 3. every program of the config's training step compiled for it (`check.run` with
    `targets.this_cpu`), as `exgrpo_jax.aot` compiles for an accelerator, with the
    longest prompt met as `data.max_prompt_tokens` (the trainer buckets the prompts it
@@ -107,12 +107,12 @@ def main(argv):
             flush=True)
       measured.append({p: float(metrics[f"timing_s/{t}"]) for p, t in PHASES.items()}
                       | dict(step=float(metrics["timing_s/step"])))
+      rates.append(targets.measured_rates(model_cfg.hidden_size, model_cfg.intermediate_size))
     trainer.close()
   # The programs at the shapes the steps ran: the trainer buckets the longest prompt it
   # meets, which the config's max_prompt_tokens only bounds.
   config.data.max_prompt_tokens = max(max(s["prompt_lens"]) for s in steps)
-  # Other work on the machine lowers a measured rate: the CPU's peak is the better of two.
-  rates.append(targets.measured_rates(model_cfg.hidden_size, model_cfg.intermediate_size))
+  # Other work on the machine lowers a measured rate: the CPU's peak is the best seen.
   peak, bandwidth = map(max, zip(*rates))
   target = targets.this_cpu(peak, bandwidth)
   print(f"[check] this CPU: {peak / 1e9:.1f} GFLOP/s (float32 matmul), "
@@ -135,7 +135,9 @@ def main(argv):
       load_average=dict(before=load_before, after=os.getloadavg()),
       date=time.strftime("%Y-%m-%d"),
       cpu=dict(device_kind=target.device_kind, devices=target.devices,
-               matmul_gflops_per_s=peak / 1e9, bandwidth_gb_per_s=bandwidth / 1e9),
+               matmul_gflops_per_s=peak / 1e9, bandwidth_gb_per_s=bandwidth / 1e9,
+               measured_gflops_per_s=[round(r[0] / 1e9, 1) for r in rates],
+               measured_gb_per_s=[round(r[1] / 1e9, 1) for r in rates]),
       warmup_steps=_WARMUP.value, measured_steps=len(rows),
       median_measured_over_estimated=ratios,
       ranked_as_measured=[rank(r["measured_s"]) == rank(r["estimated_s"]) for r in rows],

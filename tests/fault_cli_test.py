@@ -192,7 +192,7 @@ def test_planner_estimate_names_a_bad_length_record(tmp_path, record, problem, c
     plan_cli.main(["--render", plan, "--estimate", "--lengths", str(path)])
   assert e.value.code == cli.EXIT_USAGE
   assert capsys.readouterr().err.splitlines()[-1].startswith(
-      f"{plan_cli.PROG}: error: {path}: {problem}")
+      f"{plan_cli.PROG}: error: --lengths {path}: {problem}")
 
 
 def test_eval_out_is_checked_before_any_work(tmp_path, capsys):

@@ -140,7 +140,7 @@ def _estimates(parser, args, plans: dict) -> str:
   except OSError as e:
     parser.error(f"--lengths {args.lengths}: {e.strerror}")
   except ValueError as e:
-    parser.error(str(e))
+    parser.error(f"--lengths {e}" if args.lengths else str(e))
 
 
 def _parser() -> argparse.ArgumentParser:
