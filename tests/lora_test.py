@@ -280,3 +280,34 @@ def test_the_fingerprint_is_the_weight_files_content(tmp_path):
   lora_run.check_resume(meta, config, lambda: first)
   with pytest.raises(config_check.ConfigError, match="trained on the base"):
     lora_run.check_resume(meta, config, lambda: second)
+
+
+def test_the_peft_adapter_and_the_merged_export_give_the_trainers_logits(tmp_path):
+  """save_pretrained of LoRA params: the merged HF model, and `adapter/` that `peft`
+  loads onto the transformers base model; both within the HF parity tolerance (1e-4,
+  tests/models_test.py) of the learner's unmerged forward."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft", reason="peft is not installed (the `test` extra)")
+  from tests import models_test  # pylint: disable=g-import-not-at-top
+  base_dir = str(tmp_path / "base")
+  models_test.make_hf_model("qwen2", tied=False, seed=3).save_pretrained(base_dir)
+  policy = models.from_pretrained(base_dir)
+  cfg = policy.config
+  adapters = lora.init_adapters(cfg, RANK, lora.TARGETS, jax.random.key(1))
+  adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape),
+                          adapters)
+  params = lora.LoraParams(policy.params, adapters, ALPHA / RANK)
+  ids = models_test.random_ids((2, 40), cfg.vocab_size)
+  ours = np.asarray(models.apply(cfg, params, ids)[0])
+  assert np.abs(ours - np.asarray(policy(ids))).max() > 1e-2  # the adapter matters
+
+  dst = str(tmp_path / "export")
+  models.save_pretrained(cfg, params, dst, tokenizer_src=base_dir)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+  assert np.abs(models_test.hf_logits(merged, ids) - ours).max() <= 1e-4
+  with open(os.path.join(dst, "adapter", "adapter_config.json"), encoding="utf-8") as f:
+    assert json.load(f)["base_model_name_or_path"] == base_dir
+  base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+  with_adapter = peft.PeftModel.from_pretrained(base, os.path.join(dst, "adapter")).eval()
+  assert np.abs(models_test.hf_logits(with_adapter, ids) - ours).max() <= 1e-4

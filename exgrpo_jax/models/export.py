@@ -21,6 +21,7 @@ from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import hf_keys
 from exgrpo_jax.models import loading
 from exgrpo_jax.models import lora
+from exgrpo_jax.models import peft_export
 from exgrpo_jax.models import safetensors_io
 
 
@@ -66,7 +67,9 @@ def _replaceable(dst: str) -> bool:
 def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | None = None,
                     tokenizer_src: str | None = None, max_shard_bytes: int = 5 * 2**30,
                     info: dict | None = None):
-  """Writes an HF model directory atomically; returns its path."""
+  """Writes an HF model directory atomically; returns its path. LoRA params
+  (`lora.LoraParams`) give the merged model, and their adapters as a PEFT adapter
+  directory `adapter/` inside it (`peft_export`; its base: `tokenizer_src`)."""
   dst = os.path.abspath(dst)
   if not _replaceable(dst):
     raise FileExistsError(f"{dst} exists and is not a model directory; not overwriting it")
@@ -75,6 +78,9 @@ def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | 
   os.makedirs(tmp)
   try:
     _write(cfg, params, tmp, dtype or cfg.param_dtype, tokenizer_src, max_shard_bytes)
+    if isinstance(params, lora.LoraParams):
+      peft_export.write_adapter(cfg, params, os.path.join(tmp, peft_export.ADAPTER_DIR),
+                                tokenizer_src or "")
     with open(os.path.join(tmp, EXPORT_INFO), "w", encoding="utf-8") as f:
       json.dump(dict(info or {}, dtype=dtype or cfg.param_dtype), f)
     old = None
