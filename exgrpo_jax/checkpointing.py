@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 
 from exgrpo_jax import checkpoint_integrity as integrity
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.training import lora_run
 
 ITEMS = ("params", "opt", "host", "meta")
 MANIFEST = integrity.MANIFEST
@@ -228,12 +229,16 @@ def _load_params(step_dir: str):
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(f"Orbax cannot read it ({integrity.root_cause(e)})") from e
   integrity.check_arrays("params", params, target)
-  return model_config_from_json(meta["model_config"]), params, meta["tokenizer_source"]
+  cfg = model_config_from_json(meta["model_config"])
+  if "lora_base" in meta:  # the adapters, on the base the checkpoint names
+    params = lora_run.with_checkpoint_base(meta, cfg, params)
+  return cfg, params, meta["tokenizer_source"]
 
 
 def load_policy_for_export(path: str):
   """(ModelConfig, params as numpy, tokenizer source) from a workdir or step directory:
-  its newest intact step (a damaged newer one is skipped with one line)."""
+  its newest intact step (a damaged newer one is skipped with one line). A LoRA
+  checkpoint's params are `lora.LoraParams`: its adapters on the base it names."""
   candidates = step_dirs(path)
   if not candidates:
     raise FileNotFoundError(f"{path}: no exgrpo_jax checkpoint found")

@@ -245,7 +245,8 @@ def _train_cli(workdir, steps, *flags):
 def test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line(tmp_path):
   """The checkpoint holds the adapters only; a resume whose base differs from the one
   they were trained on (here: the random base drawn in bfloat16), or with another rank,
-  exits 2 with one line and trains nothing."""
+  exits 2 with one line and trains nothing. The convert CLI exports the checkpoint's
+  adapters on its base (merged model and PEFT directory)."""
   first = _train_cli(tmp_path, 1, "--config.train.checkpoint_every=1")
   assert first.returncode == 0, first.stderr[-3000:]
   with open(tmp_path / "checkpoints" / "1" / "meta" / "metadata", encoding="utf-8") as f:
@@ -261,6 +262,19 @@ def test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line(tmp_pat
     errors = [x for x in refused.stderr.splitlines() if "exgrpo_jax.train:" in x]
     assert len(errors) == 1 and line in errors[0], refused.stderr[-3000:]
     assert checkpointing.latest_step_dir(str(tmp_path / "checkpoints")).endswith("1")
+
+
+  # Export and evaluation read the adapters on the base the checkpoint names.
+  cfg, params, _ = checkpointing.load_policy_for_export(str(tmp_path))
+  assert isinstance(params, lora.LoraParams) and params.scale == 16.0 / 4
+  for got, want in zip(jax.tree.leaves(params.base), jax.tree.leaves(
+      models.init_params(cfg, jax.random.key(tiny.get_config().train.seed)))):
+    np.testing.assert_array_equal(got, want)
+  converted = subprocess.run(
+      [sys.executable, "-m", "exgrpo_jax.convert", f"--src={tmp_path}",
+       f"--dst={tmp_path / 'hf'}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert converted.returncode == 0, converted.stderr[-3000:]
+  assert os.path.exists(tmp_path / "hf" / "adapter" / "adapter_model.safetensors")
 
 
 def test_the_fingerprint_is_the_weight_files_content(tmp_path):

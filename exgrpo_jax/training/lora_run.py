@@ -13,7 +13,10 @@ import json
 import os
 
 import jax
+import ml_collections
 
+from exgrpo_jax import models
+from exgrpo_jax.models import loading
 from exgrpo_jax.models import lora
 from exgrpo_jax.training import config_check
 
@@ -66,6 +69,27 @@ def base_fingerprint(config, model_path: str) -> dict:
     files = sorted(os.path.join(model_path, name) for name in os.listdir(model_path)
                    if name.endswith(_WEIGHT_SUFFIXES))
   return dict(path=os.path.abspath(model_path), sha256=_sha256_of_files(files))
+
+
+def base_weights(config, model_cfg, shardings=None):
+  """The frozen base as a run with `config` loads it: `model.path` (or the embedded
+  model), or the random weights of `model.random_init` drawn from `train.seed`."""
+  if config.model.random_init:
+    return models.init_params(model_cfg, jax.random.key(config.train.seed), shardings)
+  hf_dir = models.resolve_hf_dir(config.model.path or models.default_model_path())
+  return loading.load_params(hf_dir, model_cfg, shardings)
+
+
+def with_checkpoint_base(meta: dict, model_cfg, adapters) -> lora.LoraParams:
+  """A LoRA checkpoint's adapters on the base its `meta` names (export and evaluation);
+  ValueError in one line if that base's content is no longer the one trained on."""
+  config = ml_collections.ConfigDict(meta["config"])
+  path = config.model.path or models.default_model_path()
+  want, base = meta["lora_base"], base_fingerprint(config, path)
+  if base["sha256"] != want["sha256"]:
+    raise ValueError(f"{want['path']}: the LoRA base's weights changed since the checkpoint "
+                     f"was written (sha256 {want['sha256'][:12]} -> {base['sha256'][:12]})")
+  return combine(config, base_weights(config, model_cfg), adapters)
 
 
 def check_resume(meta: dict, config, fingerprint) -> None:

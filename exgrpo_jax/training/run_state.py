@@ -158,10 +158,7 @@ class RunState:
     self.opt_state = sharding.init_optimizer(self._tx, adapters, self.opt_shardings)
 
   def _base_weights(self, shardings):
-    if self.config.model.random_init:
-      return models.init_params(self.model_cfg, jax.random.key(self.config.train.seed),
-                                shardings)
-    return loading.load_params(self._hf_dir, self.model_cfg, shardings)
+    return lora_run.base_weights(self.config, self.model_cfg, shardings)
 
   def base_fingerprint(self) -> dict:
     """The LoRA base's path and content hash (`lora_run.base_fingerprint`), computed once."""
