@@ -258,6 +258,10 @@ COMMANDS = [
             "--budget study=2400",
             skip="the study on an accelerator for 40 minutes; tests/gpu_followup_test.py runs "
             "its --smoke"),
+    # docs/lora.md
+    Command("python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/lora "
+            "--config.model.lora.rank=4", covered="tests/lora_test.py::"
+            "test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line"),
     # docs/reliability.md
     Command("python scripts/fault_table.py --slow",
             run="{python} scripts/fault_table.py", expect=r"\| kind \| case \|", slow=True),
