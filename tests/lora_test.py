@@ -14,6 +14,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from scipy import special
@@ -22,6 +23,7 @@ from configs import tiny
 from exgrpo_jax import checkpointing
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax import sharding
 from exgrpo_jax.models import export
 from exgrpo_jax.models import lora
 from exgrpo_jax.sampling import continuous
@@ -160,11 +162,26 @@ def _learner_logp(params, prompt, tokens):
   return logits - special.logsumexp(logits, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("options", [dict(scheduler="static"), dict(max_rows=2)],
-                         ids=["static", "continuous"])
-def test_the_jax_engine_samples_the_current_adapter(trained, options, monkeypatch):
+def _on_mesh(params: lora.LoraParams) -> lora.LoraParams:
+  """`params` placed as a run places them: the base and adapters by the learner's rules
+  on a mesh of every device."""
+  mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(shape=(-1, 1),
+                                                           axes=("fsdp", "tensor"))))
+  return params.replace(
+      base=jax.device_put(params.base, models.param_shardings(CFG, mesh)),
+      adapters=jax.device_put(params.adapters,
+                              lora.adapter_shardings(CFG, RANK, lora.TARGETS, mesh)))
+
+
+@pytest.mark.parametrize("options, on_mesh", [
+    (dict(scheduler="static"), False), (dict(max_rows=2), False),
+    (dict(max_rows=2), True)], ids=["static", "continuous", "continuous-mesh"])
+def test_the_jax_engine_samples_the_current_adapter(trained, options, on_mesh, monkeypatch):
   """Greedy rollouts of the trained LoRA policy are the learner's argmax tokens with the
-  learner's log-probs (adapter applied), which differ from the base model's."""
+  learner's log-probs (adapter applied), which differ from the base model's; on a mesh
+  the engine merges while it makes its rollout copy."""
+  if on_mesh:
+    trained = _on_mesh(trained)
   continuous_calls = []
   real = continuous.generate
   monkeypatch.setattr(continuous, "generate",

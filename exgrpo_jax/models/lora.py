@@ -164,7 +164,11 @@ def delta(a_Lx_in_xr: jax.Array, b_Lxrx_out: jax.Array, scale_: float) -> jax.Ar
   return product.reshape(a_Lx_in_xr.shape[:-1] + b_Lxrx_out.shape[2:])
 
 
-def _merge(params: LoraParams):
+def merge(params):
+  """`merged`'s computation, to trace inside a caller's program (the JAX engine merges
+  while it reshards and casts its rollout copy, so no merged copy outlives it)."""
+  if not isinstance(params, LoraParams):
+    return params
   layers = {module: dict(weights) for module, weights in params.base["layers"].items()}
   for module, targets in params.adapters["layers"].items():
     for name, ab in targets.items():
@@ -178,7 +182,7 @@ def _merge(params: LoraParams):
 def _merge_program(treedef, flat_shardings):
   placed = ({} if treedef is None
             else {"out_shardings": jax.tree.unflatten(treedef, flat_shardings)})
-  return jax.jit(_merge, **placed)
+  return jax.jit(merge, **placed)
 
 
 def merged(params):

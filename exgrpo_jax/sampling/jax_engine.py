@@ -183,17 +183,17 @@ class JaxEngine:
 
   def _rollout_params(self, params):
     """The rollout copy of sharded params (see the module docstring); others as they are.
-    LoRA params arrive merged (`lora.merged`): every call samples the current adapter."""
-    params = lora.merged(params)
+    LoRA params are merged (`lora.merge`): every call samples the current adapter."""
     mesh = sharding.mesh_of(params)
-    return params if mesh is None else self.rollout_copy_program(mesh)(params)
+    return lora.merged(params) if mesh is None else self.rollout_copy_program(mesh)(params)
 
   def rollout_copy_program(self, mesh):
-    """The jitted reshard-and-cast of the learner's params to the rollout copy on `mesh`."""
+    """The jitted reshard-and-cast of the learner's params (LoRA: merged, in the same
+    program) to the rollout copy on `mesh`."""
     if mesh not in self._reshard:
       dtype = config_lib.dtype_from_name(self.model_cfg.dtype)
       self._reshard[mesh] = jax.jit(
-          lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
+          lambda p: jax.tree.map(lambda x: x.astype(dtype), lora.merge(p)),
           out_shardings=models.param_shardings(self.model_cfg, mesh, self.rules))
     return self._reshard[mesh]
 
