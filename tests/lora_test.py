@@ -6,6 +6,8 @@ The reference for "the adapter applied" is the learner's own forward pass on
 reproduce it, and must differ from the base once the adapter has trained.
 """
 
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from scipy import special
 
@@ -342,3 +345,25 @@ def test_the_peft_adapter_and_the_merged_export_give_the_trainers_logits(tmp_pat
   base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
   with_adapter = peft.PeftModel.from_pretrained(base, os.path.join(dst, "adapter")).eval()
   assert np.abs(models_test.hf_logits(with_adapter, ids) - ours).max() <= 1e-4
+
+
+def test_adapter_gradients_do_not_depend_on_micro_batches_packing_or_remat():
+  """The learner's paths are the full model's: the adapters' gradient of one mini-batch
+  is the same with 1 or 6 rows per micro-batch, packed or not, with or without remat."""
+  from tests import learner_test  # pylint: disable=g-import-not-at-top
+  params = _lora_params(learner_test.CFG)
+  params = params.replace(adapters=jax.tree.map(lambda x: x + 0.02, params.adapters))
+  frozen = params.replace(adapters=None)
+  algo = learner_test._algo("token_sum_norm")
+  results = []
+  for remat, micro, pack in (("none", 6, True), ("none", 1, False), ("full", 2, True)):
+    cfg = dataclasses.replace(learner_test.CFG, remat=remat)
+    grads, _ = jax.jit(functools.partial(
+        learner.accumulate_gradients, cfg=cfg, algo=algo, use_clip=True, chunk=5))(
+            params.adapters, learner_test._batch(micro, pack=pack), frozen)
+    results.append(grads)
+  assert jax.tree.structure(results[0]) == jax.tree.structure(params.adapters)
+  assert float(optax.global_norm(results[0])) > 0
+  for other in results[1:]:
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(other)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
