@@ -126,19 +126,28 @@ def init_adapters(cfg, rank: int, targets, rng: jax.Array, shardings=None) -> di
   abstract = abstract_adapters(cfg, rank, targets)
 
   def init(rng):
-    out = {}
+    leaves = []
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(abstract)):
       if path[-1].key == "b":
-        value = jnp.zeros(x.shape, x.dtype)
+        leaves.append(jnp.zeros(x.shape, x.dtype))
       else:
         bound = 1.0 / math.sqrt(math.prod(x.shape[1:-1]))
-        value = jax.random.uniform(jax.random.fold_in(rng, i), x.shape, x.dtype, -bound, bound)
-      out[jax.tree_util.keystr(path)] = value
-    return jax.tree_util.tree_map_with_path(lambda p, _: out[jax.tree_util.keystr(p)],
-                                            abstract)
+        leaves.append(jax.random.uniform(jax.random.fold_in(rng, i), x.shape, x.dtype,
+                                         -bound, bound))
+    return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
 
   placed = {} if shardings is None else {"out_shardings": shardings}
   return jax.jit(init, **placed)(rng)
+
+
+def _with_targets(params: LoraParams, entries):
+  """The base tree with `entries(name, weight, {"a", "b"})`'s {key: array} set in each
+  target's module."""
+  layers = {module: dict(weights) for module, weights in params.base["layers"].items()}
+  for module, targets in params.adapters["layers"].items():
+    for name, ab in targets.items():
+      layers[module].update(entries(name, layers[module][name], ab))
+  return dict(params.base, layers=layers)
 
 
 def for_forward(params):
@@ -147,15 +156,11 @@ def for_forward(params):
   already scaled), which `transformer` adds unmerged."""
   if not isinstance(params, LoraParams):
     return params
-  layers = {module: dict(weights) for module, weights in params.base["layers"].items()}
-  for module, targets in params.adapters["layers"].items():
-    for name, ab in targets.items():
-      layers[module][name + "_lora_a"] = ab["a"]
-      layers[module][name + "_lora_b"] = ab["b"] * params.scale
-  return dict(params.base, layers=layers)
+  return _with_targets(params, lambda name, w, ab: {
+      name + "_lora_a": ab["a"], name + "_lora_b": ab["b"] * params.scale})
 
 
-def delta(a_Lx_in_xr: jax.Array, b_Lxrx_out: jax.Array, scale_: float) -> jax.Array:
+def _delta(a_Lx_in_xr: jax.Array, b_Lxrx_out: jax.Array, scale_: float) -> jax.Array:
   """scale * A @ B per layer, in the weight's shape [L, *in, *out] (float32)."""
   L, r = a_Lx_in_xr.shape[0], a_Lx_in_xr.shape[-1]
   a_LxIxr = a_Lx_in_xr.reshape(L, -1, r).astype(jnp.float32)
@@ -169,13 +174,8 @@ def merge(params):
   while it reshards and casts its rollout copy, so no merged copy outlives it)."""
   if not isinstance(params, LoraParams):
     return params
-  layers = {module: dict(weights) for module, weights in params.base["layers"].items()}
-  for module, targets in params.adapters["layers"].items():
-    for name, ab in targets.items():
-      w = layers[module][name]
-      layers[module][name] = (w.astype(jnp.float32)
-                              + delta(ab["a"], ab["b"], params.scale)).astype(w.dtype)
-  return dict(params.base, layers=layers)
+  return _with_targets(params, lambda name, w, ab: {name: (
+      w.astype(jnp.float32) + _delta(ab["a"], ab["b"], params.scale)).astype(w.dtype)})
 
 
 @functools.lru_cache(maxsize=None)
