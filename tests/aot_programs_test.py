@@ -268,3 +268,28 @@ def test_a_capped_pool_compiles_the_resume_beside_it_as_the_engine_runs_it(monke
   for theirs in seen:  # the same arguments; the sequences no longer than the AOT's
     assert [(len(a), d) for a, d in theirs] == [(len(a), d) for a, d in ours]
     assert all(a[:-1] == b[:-1] and a[-1] <= b[-1] for (a, _), (b, _) in zip(theirs, ours))
+
+
+def test_a_lora_step_compiles_the_adapters_and_their_state_beside_the_frozen_base():
+  """With LoRA the learner step takes the adapters, their AdamW state and the frozen
+  base (as `learner.train_step` passes them), and its state is the adapters' alone."""
+  from exgrpo_jax.models import lora  # pylint: disable=g-import-not-at-top
+  c = small_config()
+  c.model.lora.rank = 4
+  mesh = sharding.make_mesh(c.mesh, jax.devices()[:1])
+  (step, score), (params, opt_state) = programs_lib.learner_programs(c, CFG, mesh)
+  assert isinstance(params, lora.LoraParams)
+  adapters = lora.abstract_adapters(CFG, 4, tuple(c.model.lora.targets))
+  args = step.args({})
+  assert _shapes(args[0]) == _shapes(adapters)
+  assert args[3].adapters is None and _shapes(args[3].base) == _shapes(
+      models.abstract_params(CFG))
+  # AdamW's moments are the adapters' shapes; nothing in the state is the base's.
+  base_shapes = {s for s, _ in _shapes(models.abstract_params(CFG))}
+  assert not base_shapes & {s for s, _ in _shapes(opt_state) if len(s) > 1}
+  result = check.compile_program(step, {}, mesh, HOST)
+  assert not result.error, result.error
+  full, _ = programs_lib.learner_programs(small_config(), CFG, mesh)
+  full_result = check.compile_program(full[0], {}, mesh, HOST)
+  assert result.output_bytes < full_result.output_bytes  # adapters and state only
+  assert not check.compile_program(score, {}, mesh, HOST).error

@@ -183,6 +183,7 @@ def report(config, cfg, target_name, target, mesh, results, slices, step_names,
       model=dict(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
                  kv_heads=cfg.num_kv_heads, vocab=cfg.vocab_size, dtype=cfg.dtype,
                  param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention,
+                 lora_rank=config.model.lora.rank,
                  params_billion=round(sum(math.prod(x.shape) for x in jax.tree.leaves(
                      models.abstract_params(cfg))) / 1e9, 3)),
       batch=dict(questions=config.train.batch_questions, k=config.rollout.k,

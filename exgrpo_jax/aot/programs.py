@@ -30,8 +30,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from exgrpo_jax import models
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
+from exgrpo_jax.models import lora
 from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import decode
 from exgrpo_jax.sampling import pages
@@ -83,10 +85,31 @@ def _key_dtype():
   return jax.random.key(0).dtype
 
 
+def _lora_state(config, cfg, mesh):
+  """A LoRA run's abstract state: (`lora.LoraParams` of the frozen base, placed as the
+  trainer places params, and the adapters; the adapters' optimizer state)."""
+  c = config.model.lora
+  base = sharding.abstract(models.abstract_params(cfg), models.param_shardings(cfg, mesh))
+  shardings = lora.adapter_shardings(cfg, c.rank, tuple(c.targets), mesh)
+  abstract = lora.abstract_adapters(cfg, c.rank, tuple(c.targets))
+  tx = learner.make_optimizer(config.optim)
+  opt_state = sharding.abstract(
+      jax.eval_shape(tx.init, abstract),
+      sharding.optimizer_shardings(tx, abstract, shardings))
+  adapters = sharding.abstract(abstract, shardings)
+  return lora.LoraParams(base, adapters, lora.scale(c)), opt_state
+
+
 def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
   """The learner's step and the scoring pass; also returns the abstract learner state
-  (parameters, optimizer state)."""
-  params, opt_state = learner.abstract_state(cfg, learner.make_optimizer(config.optim), mesh)
+  (parameters, optimizer state). With LoRA (`model.lora.rank` > 0) the parameters are
+  `lora.LoraParams` and the step takes the adapters and their state, the frozen base
+  beside them (`learner.train_step`)."""
+  if config.model.lora.rank:
+    params, opt_state = _lora_state(config, cfg, mesh)
+  else:
+    params, opt_state = learner.abstract_state(cfg, learner.make_optimizer(config.optim),
+                                               mesh)
   rows = config.train.batch_questions * config.rollout.k
   R = config.rollout.max_new_tokens
   T = padding.prompt_bucket(config.data.max_prompt_tokens, config.train.prompt_bucket) + R
@@ -103,11 +126,15 @@ def learner_programs(config, cfg, mesh) -> tuple[list[Program], tuple]:
   batch = sharding.placed(learner.TrainBatch(**{
       name: jax.ShapeDtypeStruct((num_micro, micro, n), dtype)
       for name, (n, dtype) in shapes.items()}), mesh, batch_dim=1)
+  # LoRA's step trains the adapters; the base is an argument, neither trained nor donated.
+  is_lora = isinstance(params, lora.LoraParams)
+  trained = params.adapters if is_lora else params
+  frozen = (params.replace(adapters=None),) if is_lora else ()
   # The mixed phase's step (no clipping unless configured): most of a run's steps.
   step = Program(
       "learner_step", f"one optimizer step: {num_micro} micro-batches of {micro} rows x "
-      f"{T} tokens", learner.step_program(params, opt_state),
-      lambda _: (params, opt_state, batch),
+      f"{T} tokens", learner.step_program(trained, opt_state),
+      lambda _: (trained, opt_state, batch) + frozen,
       dict(cfg=cfg, algo=learner.frozen(config.algo), optim=learner.frozen(config.optim),
            use_clip=bool(config.algo.clip_after_delayed_start),
            chunk=config.train.logprob_chunk),
