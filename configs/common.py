@@ -217,6 +217,21 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def lora_on_small_hardware(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A paper config as a LoRA run for one GPU or a v5e-8 (docs/lora.md): the base frozen
+  in bfloat16 (`model.param_dtype`, the compute dtype), rank-16 adapters (alpha 16) on
+  every attention and MLP projection at 10 times the full fine-tuning learning rate; the
+  mesh, rollout slots and KV pool left for the planner (`python -m exgrpo_jax.aot plan`)."""
+  c.model.param_dtype = "bfloat16"
+  c.model.lora.rank = 16
+  c.model.lora.alpha = 16.0
+  c.optim.lr = 1e-5  # 10 x the paper's 1e-6
+  c.mesh.shape = (-1, 1)
+  c.rollout.max_rows = 0
+  c.rollout.kv_pages = 0
+  return c
+
+
 def apply_variant(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
   """Applies one of VARIANTS (the paper's Table 6 ablations) to config `c`."""
   if variant not in VARIANTS:
