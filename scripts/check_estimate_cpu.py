@@ -4,10 +4,10 @@ r"""How far the step estimate sits from measured steps, on this CPU (JSON).
       --config.algo.old_logp_source=recompute \
       --out=docs/results/estimate_check_cpu_study_v3.json
   python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
-      --config.algo.old_logp_source=recompute --config.rollout.max_new_tokens=256 \
+      --config.algo.old_logp_source=recompute --config.rollout.max_new_tokens=128 \
       --config.rollout.max_rows=16 --config.data.source=file \
       --config.data.train_path=gsm8k_train.parquet \
-      --out=docs/results/estimate_check_cpu_gsm8k_256.json
+      --out=docs/results/estimate_check_cpu_gsm8k_128.json
 
 `python -m exgrpo_jax.aot plan --estimate` prices a step on a TPU or GPU from programs
 compiled for it and a length distribution; nothing there runs. Here the same method is

@@ -174,6 +174,9 @@ COMMANDS = [
     # docs/multihost.md
     Command("python -m exgrpo_jax.convert",
             skip="names the tool; README's convert command runs it"),
+    Command("python -m exgrpo_jax.aot plan --config=configs/<model>.py --target=h200x1 "
+            "--out=plan.json", covered="tests/aot_plan_test.py::"
+            "test_a_search_that_finds_nothing_exits_1_naming_the_least_failure"),
     # docs/aot.md
     Command(".aot/tpu/bin/python -m exgrpo_jax.aot --config=configs/qwen7b.py --target=v5p-8 "
             "--config.mesh.shape='(1, 4)' --config.rollout.max_rows=512 --out=aot.json",
@@ -187,6 +190,22 @@ COMMANDS = [
             "--out=docs/results/aot_qwen7b_h100x8.json",
             skip="4-17 minutes of compiles per config and target in the AOT environment; its "
             "outputs are docs/results/aot_*.json, which configs_test holds the configs to"),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot plan "
+            "--config=configs/qwen7b_lora.py --target=h200x1 "
+            "--out=docs/results/aot_qwen7b_lora_h200x1.json",
+            skip="14 minutes of compiles in the AOT environment; its output is "
+            "docs/results/aot_qwen7b_lora_h200x1.json, which aot_step_lengths_test reads"),
+    Command("python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
+            "--config.algo.old_logp_source=recompute "
+            "--out=docs/results/estimate_check_cpu_study_v3.json",
+            skip="minutes of real training steps on this CPU, timed: a measurement, whose "
+            "output is docs/results/estimate_check_cpu_study_v3.json"),
+    Command("python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
+            "--config.algo.old_logp_source=recompute --config.rollout.max_new_tokens=128 "
+            "--config.rollout.max_rows=16 --config.data.source=file "
+            "--config.data.train_path=gsm8k_train.parquet "
+            "--out=docs/results/estimate_check_cpu_gsm8k_128.json",
+            skip="a GSM8K data file (docs/data.md) and minutes of timed training steps"),
     Command("python -m exgrpo_jax.aot plan --render docs/results/aot_*.json",
             run="{python} -m exgrpo_jax.aot plan --render docs/results/aot_*.json",
             expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 1024 \| 137800 \|"),

@@ -65,8 +65,11 @@ def _wait_for_checkpoint(proc: subprocess.Popen, workdir: str, step: int) -> Non
     time.sleep(0.05)
 
 
-@pytest.mark.parametrize("flags", [(), ("--config.model.lora.rank=4", "--config.optim.lr=1e-3")],
-                         ids=["full", "lora"])
+# The LoRA case is slow (2.5 min on 2 cores): its checkpoint's content, the adapters, is
+# what differs, and lora_test covers that in the default suite.
+@pytest.mark.parametrize("flags", [
+    (), pytest.param(("--config.model.lora.rank=4", "--config.optim.lr=1e-3"),
+                     marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, flags):
   """Also for a LoRA run, whose checkpoints hold the adapters (compared at the end)."""
   reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
