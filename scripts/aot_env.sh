@@ -46,12 +46,13 @@ if [ -z "$python" ]; then
   exit 1
 fi
 
-# The `test` extra without PyTorch and accelerate (which needs it).
+# The `test` extra without PyTorch and what needs it (accelerate, peft).
 test_deps=$("$python" - <<'EOF'
 import re, tomllib
 with open("pyproject.toml", "rb") as f:
   extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
-print(" ".join(d for d in extra if re.split(r"[<>=!~ \[]", d)[0] not in ("torch", "accelerate")))
+print(" ".join(d for d in extra
+               if re.split(r"[<>=!~ \[]", d)[0] not in ("torch", "accelerate", "peft")))
 EOF
 )
 
