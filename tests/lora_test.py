@@ -206,6 +206,7 @@ def test_the_jax_engine_samples_the_current_adapter(trained, options, on_mesh, m
 
 def test_vllm_receives_the_merged_weights(monkeypatch):
   """The vLLM engine (the stand-in) generates with W + s A @ B, not the base."""
+  pytest.importorskip("torch", reason="the vLLM engine hands vLLM torch tensors")
   monkeypatch.setitem(sys.modules, "vllm", vllm_stand_in)
   monkeypatch.setattr(vllm_engine, "check_available", lambda: "cuda")
   monkeypatch.setattr(vllm_engine, "_device_bytes", lambda rank: 80 * vllm_setup.GIB)
