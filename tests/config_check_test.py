@@ -137,6 +137,22 @@ def test_kv_headroom_without_a_capped_pool_is_refused():
   config_check.check(c)
 
 
+def test_a_generated_sources_settings_without_that_source_are_refused():
+  c = _config()
+  c.data.source, c.eval.source = "file", "file"
+  c.data.arithmetic.max_operand, c.data.reasoning_gym.dataset = 999, "chain_sum"
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  assert [l for l in str(e.value).splitlines() if "data.arithmetic" in l
+          or "data.reasoning_gym" in l] == [
+      "config.data.arithmetic.max_operand=999: is read only with data.source or eval.source "
+      "'arithmetic', and this run's sources are 'file' and 'file'; drop it, or add "
+      "--config.data.source=arithmetic",
+      "config.data.reasoning_gym.dataset='chain_sum': is read only with data.source or "
+      "eval.source 'reasoning_gym', and this run's sources are 'file' and 'file'; drop it, "
+      "or add --config.data.source=reasoning_gym"]
+
+
 def test_vllm_settings_with_the_jax_engine_are_refused():
   c = _config()
   c.rollout.vllm.dtype, c.rollout.vllm.sleep_level = "int8", 0

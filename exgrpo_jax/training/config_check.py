@@ -24,7 +24,9 @@ from exgrpo_jax import losses
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.aot import lengths
+from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import readers
+from exgrpo_jax.data import rgym
 from exgrpo_jax.data import sources as data_sources
 from exgrpo_jax.data import templates
 from exgrpo_jax.models import attention
@@ -128,6 +130,14 @@ def _check(c) -> None:
   if c.data.source == "file":
     _data("data.train_path", c.data.train_path, c.data.dir)
   _only_with_file_source(c.data.train_path, "data.train_path", "data.source", c.data.source)
+  for source, settings in (("arithmetic", arithmetic.ArithmeticSettings()),
+                           ("reasoning_gym", rgym.GymSettings())):
+    if source not in (c.data.source, c.eval.source):
+      for key, default in dataclasses.asdict(settings).items():
+        _unread(f"data.{source}.{key}", c.data[source][key], default,
+                f"data.source or eval.source {source!r}",
+                f"sources are {c.data.source!r} and {c.eval.source!r}",
+                f"add --config.data.source={source}")
   try:  # generating both splits takes milliseconds and catches too-small settings
     if "arithmetic" in (c.data.source, c.eval.source):
       data_sources.from_arithmetic(c, "train")
