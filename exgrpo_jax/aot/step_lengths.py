@@ -68,11 +68,7 @@ def score_calls(lengths_R, prompt_tokens: int, prompt_len: int, response_len: in
   """The rows of each scoring call over all responses packed at once (`score_rows`)."""
   rows = packing.place(np.full(len(lengths_R), prompt_tokens), lengths_R, prompt_len,
                        response_len, pack).num_rows
-  calls = []
-  while rows > 0:
-    calls.append(experience._batch_size_for(rows, micro))  # pylint: disable=protected-access
-    rows -= calls[-1]
-  return calls
+  return experience.call_sizes(rows, micro)
 
 
 def learner_estimate(report: dict, lengths_R, fresh_R=None) -> dict:

@@ -89,6 +89,15 @@ def _batch_size_for(remaining: int, batch_size: int) -> int:
   return min(batch_size, 1 << max(remaining - 1, 0).bit_length())
 
 
+def call_sizes(num_rows: int, batch_size: int) -> list[int]:
+  """The rows of each scoring call over `num_rows` packed rows (`score_rows`)."""
+  sizes = []
+  while num_rows > 0:
+    sizes.append(_batch_size_for(num_rows, batch_size))
+    num_rows -= sizes[-1]
+  return sizes
+
+
 def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk, pack=True,
                rollout_temperature: float | None = None,
                prompt_bucket: int = padding.PROMPT_BUCKET) -> Scores:
@@ -108,8 +117,7 @@ def score_rows(rows, *, cfg, params, max_new_tokens, batch_size, pad_id, chunk, 
   packed = packing.rows(layout, prompts, responses, layout.num_rows + batch_size, pad_id)
   logps, ents, rollout_logps = [], [], []
   start = 0
-  while start < layout.num_rows:
-    size = _batch_size_for(layout.num_rows - start, batch_size)
+  for size in call_sizes(layout.num_rows, batch_size):
     batch = slice(start, start + size)
     start += size
     logp, ent, rollout_logp = learner.score_responses(
