@@ -311,3 +311,18 @@ def test_sigterm_to_the_runner_stops_the_run_checkpointed_and_a_rerun_resumes(tm
   assert steps == [0, 1, 2]
   assert sorted(os.listdir(os.path.join(out, "summaries"))) == ["exgrpo_s1.json",
                                                                  "onpolicy_s1.json"]
+
+
+def test_the_lora_study_runs_only_the_lora_arm_beside_the_committed_full_runs(tmp_path):
+  lora = protocol.load(os.path.join(conftest.REPO_ROOT, "configs", "study_lora.py"))
+  for seed in (1, 2, 3, 4):
+    name = f"onpolicy_s{seed}.json"
+    with open(os.path.join(COMMITTED, name), encoding="utf-8") as f:
+      (tmp_path / name).write_text(f.read())
+  todo, state = protocol.plan(lora, protocol.read_summaries(str(tmp_path)), False)
+  assert (todo, state) == ([("lora", s) for s in (1, 2, 3, 4)], "stage 1")
+  cmd = study_runs.command(lora, str(tmp_path), "lora", 1, sys.executable)
+  assert cmd[4:] == ["--config.train.seed=1", f"--workdir={tmp_path}/lora_s1",
+                     "--config.model.lora.rank=8", "--config.model.lora.alpha=16.0",
+                     "--config.optim.lr=1e-4", "--config.eval.before_train=True"]
+  assert cmd[3].endswith("configs/smollm2_study_v3.py:onpolicy")
