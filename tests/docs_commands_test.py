@@ -198,12 +198,12 @@ COMMANDS = [
             "--out=docs/results/aot_qwen7b_lora_h200x1.json",
             skip="14 minutes of compiles in the AOT environment; its output is "
             "docs/results/aot_qwen7b_lora_h200x1.json, which aot_step_lengths_test reads"),
-    Command("python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
+    Command("python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
             "--config.algo.old_logp_source=recompute "
             "--out=docs/results/estimate_check_cpu_study_v3.json",
             skip="minutes of real training steps on this CPU, timed: a measurement, whose "
             "output is docs/results/estimate_check_cpu_study_v3.json"),
-    Command("python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
+    Command("python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
             "--config.algo.old_logp_source=recompute --config.rollout.max_new_tokens=128 "
             "--config.rollout.max_rows=16 --config.data.source=file "
             "--config.data.train_path=gsm8k_train.parquet "

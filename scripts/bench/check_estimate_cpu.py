@@ -1,9 +1,9 @@
 r"""How far the step estimate sits from measured steps, on this CPU (JSON).
 
-  python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
+  python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
       --config.algo.old_logp_source=recompute \
       --out=docs/results/estimate_check_cpu_study_v3.json
-  python scripts/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
+  python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
       --config.algo.old_logp_source=recompute --config.rollout.max_new_tokens=128 \
       --config.rollout.max_rows=16 --config.data.source=file \
       --config.data.train_path=gsm8k_train.parquet \
@@ -43,7 +43,7 @@ from absl import logging
 from ml_collections import config_flags
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from exgrpo_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax import config_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -131,7 +131,7 @@ def main(argv):
             for p in PHASES}
   rank = lambda d: sorted(PHASES, key=lambda p: -d[p])
   result = dict(
-      command="python scripts/check_estimate_cpu.py " + " ".join(sys.argv[1:]),
+      command="python scripts/bench/check_estimate_cpu.py " + " ".join(sys.argv[1:]),
       load_average=dict(before=load_before, after=os.getloadavg()),
       date=time.strftime("%Y-%m-%d"),
       cpu=dict(device_kind=target.device_kind, devices=target.devices,
