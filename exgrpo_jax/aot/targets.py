@@ -83,7 +83,7 @@ TARGETS = {
 def this_cpu(peak_flops: float, bandwidth: float, devices: int = 1) -> Target:
   """This host's CPU as a target, with its measured matmul rate and memory bandwidth
   (`measured_rates`): programs compile for and run on its real devices, so an estimate
-  can be set against a measured step (scripts/check_estimate_cpu.py)."""
+  can be set against a measured step (scripts/bench/check_estimate_cpu.py)."""
   import jax  # pylint: disable=g-import-not-at-top
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   return Target("cpu", "host", devices, jax.devices("cpu")[0].device_kind, memory,
