@@ -6,7 +6,7 @@ No data files: questions come from the arithmetic source (`exgrpo_jax.data.arith
 settings in `data.arithmetic`), and the evaluations at step 0 and at the end use its
 held-out split. The default difficulty (sums and non-negative differences of numbers up
 to 15) is calibrated so the model solves about 30% of its rollouts at the start
-(temperature 0.7; scripts/calibrate_arithmetic.py): groups of K = 4 often mix solved
+(temperature 0.7; scripts/bench/calibrate_arithmetic.py): groups of K = 4 often mix solved
 and unsolved answers, so the buffer fills, questions solved 4/4 retire and the
 replayed ones are sampled by bucket. Small batch and lengths so the run
 takes a few minutes on 2 CPU cores. Variants from configs/common.py:

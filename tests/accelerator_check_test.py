@@ -1,5 +1,5 @@
-"""scripts/accelerator_check.py --smoke end to end on CPU, its budgets and flags, and the
-split/join of scripts/accelerator_bundle.sh (no download)."""
+"""scripts/accelerator/accelerator_check.py --smoke end to end on CPU, its budgets and flags,
+and the split/join of scripts/accelerator/accelerator_bundle.sh (no download)."""
 
 import importlib.util
 import json
@@ -10,11 +10,11 @@ import types
 
 import pytest
 
-from scripts import accelerator_check
+from scripts.accelerator import accelerator_check
 from tests import conftest
 
-SCRIPT = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator_check.py")
-BUNDLE = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator_bundle.sh")
+SCRIPT = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator", "accelerator_check.py")
+BUNDLE = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator", "accelerator_bundle.sh")
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
@@ -132,7 +132,7 @@ def test_bundle_split_and_join_round_trip(tmp_path):
 
 def test_a_raising_part_is_recorded_and_the_next_still_runs():
   from exgrpo_jax import registry  # pylint: disable=g-import-not-at-top
-  from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
+  from scripts.accelerator import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
   table = registry.Registry("part")
   table.register("learner")(lambda ctx, deadline: {}[("missing", "key")])
   table.register("train")(lambda ctx, deadline: dict(summary="ran", failures=["over 1e-3"]))
@@ -148,7 +148,7 @@ def test_a_raising_part_is_recorded_and_the_next_still_runs():
 
 
 def test_compare_sets_the_h200_learner_cases_against_the_aot_predictions():
-  from scripts import accelerator_speed  # pylint: disable=g-import-not-at-top
+  from scripts.accelerator import accelerator_speed  # pylint: disable=g-import-not-at-top
   table = accelerator_speed.compare(os.path.join(conftest.REPO_ROOT, "docs", "results",
                                                  "accelerator_check_h200.json"))
   rows = [line for line in table.splitlines() if line.startswith("| cudnn S=4096")]
@@ -158,7 +158,7 @@ def test_compare_sets_the_h200_learner_cases_against_the_aot_predictions():
 def test_the_hbm_bound_takes_a_known_devices_published_bandwidth(monkeypatch):
   """A sum to one scalar read 539 GB/s on an H200 (published 4,800): the bound divides by
   the published figure where the AOT targets know the device, the measured one elsewhere."""
-  from scripts import bench_sampler  # pylint: disable=g-import-not-at-top
+  from scripts.bench import bench_sampler  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(bench_sampler, "read_bandwidth_gbs", lambda repeats: 539.0)
   for kind, bound in (("NVIDIA H200", 4800.0), ("cpu", 539.0)):
     monkeypatch.setattr(bench_sampler.jax, "devices",

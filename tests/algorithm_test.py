@@ -144,7 +144,7 @@ def test_sections_are_numbered_and_every_citation_names_one():
   assert SECTIONS == set(range(1, max(SECTIONS) + 1))
   root = conftest.REPO_ROOT
   files = [os.path.join(root, p) for p in ("README.md", "BUILD.md")]
-  for pattern in ("docs/*.md", "exgrpo_jax/**/*.py", "configs/*.py", "scripts/*",
+  for pattern in ("docs/*.md", "exgrpo_jax/**/*.py", "configs/*.py", "scripts/**/*",
                   "tests/*.py"):
     files += [p for p in glob.glob(os.path.join(root, pattern), recursive=True)
               if os.path.isfile(p)]

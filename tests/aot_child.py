@@ -1,4 +1,4 @@
-"""Run by `aot_test` in an AOT environment (`scripts/aot_env.sh`); prints JSON.
+"""Run by `aot_test` in an AOT environment (`scripts/accelerator/aot_env.sh`); prints JSON.
 
   python -m tests.aot_child TARGET ATTENTION MESH [--unsharded-kernels]
   python -m tests.aot_child TARGET ATTENTION MESH --rollout

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation for TPU and GPU targets with the real compilers, on CPU.
 
 Each case runs `tests/aot_child.py` in the target's AOT environment (libtpu from
-jax[tpu], the CUDA plugin from jax[cuda13]; `scripts/aot_env.sh` makes them under .aot/,
+jax[tpu], the CUDA plugin from jax[cuda13]; `scripts/accelerator/aot_env.sh` makes them under .aot/,
 or name their pythons in EXGRPO_AOT_TPU_PYTHON / EXGRPO_AOT_GPU_PYTHON) and skips,
 naming it, where that environment is missing. The learner step with a fused attention
 kernel must compile on a multi-device mesh; without `shard_map` around the kernel (the
@@ -33,7 +33,7 @@ def aot_python(environment: str) -> str:
       conftest.REPO_ROOT, ".aot", environment, "bin", "python")
   if not os.path.exists(path):
     pytest.skip(f"no {environment.upper()} AOT environment ({path}): "
-                f"bash scripts/aot_env.sh {environment}")
+                f"bash scripts/accelerator/aot_env.sh {environment}")
   return path
 
 
@@ -238,7 +238,7 @@ def test_tpu_targets_use_the_hbm_the_compiler_allows():
 
 
 def test_h200_targets_are_the_device_as_captured_on_one():
-  """XLA's H200 spec says 141 GB; the device JAX saw (scripts/gpu_target_config.py on an
+  """XLA's H200 spec says 141 GB; the device JAX saw (scripts/accelerator/gpu_target_config.py on an
   H200) has 150109880320 bytes, cuDNN 9.19, and names itself "NVIDIA H200"."""
   from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
   for name in ("h200x1", "h200x8"):

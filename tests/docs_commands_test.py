@@ -38,8 +38,8 @@ _PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|\.(?:ven
 NETWORK = "downloads (network)"
 INSTALL = "installs packages (network); this test runs in an installed environment"
 GPU_MACHINE = "runs on the workplace's GPU machine (docs/accelerator_check.md)"
-# The AOT commands run in scripts/aot_env.sh's environments (Python 3.12): this test runs
-# the CLI there (and CI runs .ci/run's own AOT commands).
+# The AOT commands run in scripts/accelerator/aot_env.sh's environments (Python 3.12): this
+# test runs the CLI there (and CI runs .ci/run's own AOT commands).
 AOT_CLI = "tests/aot_test.py::test_cli_compiles_a_config_and_writes_its_report"
 
 
@@ -92,20 +92,20 @@ COMMANDS = [
     Command("python -m exgrpo_jax.prepare_data [--out DIR] [--datasets ...]", skip=NETWORK),
     Command("python -m exgrpo_jax.aot --config=configs/<model>.py --target=h100x8",
             covered=AOT_CLI),
-    Command("bash scripts/aot_env.sh", skip=INSTALL),
+    Command("bash scripts/accelerator/aot_env.sh", skip=INSTALL),
     Command("python -m exgrpo_jax.aot", skip="names the tool; its commands are listed"),
-    Command("python scripts/plot_run.py --workdir DIR",
-            run="{python} scripts/plot_run.py --workdir {workdir} --out {tmp}/plots",
+    Command("python scripts/plot/plot_run.py --workdir DIR",
+            run="{python} scripts/plot/plot_run.py --workdir {workdir} --out {tmp}/plots",
             expect=r"wrote plots"),
-    Command("python scripts/bench_train.py --config=configs/<model>.py "
+    Command("python scripts/bench/bench_train.py --config=configs/<model>.py "
             "[--schedulers=static,continuous]",
-            run="{python} scripts/bench_train.py --config=configs/tiny.py --variants=exgrpo "
+            run="{python} scripts/bench/bench_train.py --config=configs/tiny.py --variants=exgrpo "
             "--schedulers=static,continuous --steps=1 --warmup=0",
             expect=r'"exgrpo/continuous_over_static"', slow=True),
     # Without --schedulers: test_bench_sampler_without_pytorch_says_what_to_install runs
     # it as the README's install would (no PyTorch); the `--repeats 3` entry with PyTorch.
-    Command("python scripts/bench_sampler.py [--schedulers]",
-            run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
+    Command("python scripts/bench/bench_sampler.py [--schedulers]",
+            run="{python} scripts/bench/bench_sampler.py --model {tiny_model} --schedulers "
             "--batch-sizes 2 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
             expect=r'"continuous"', slow=True),
     Command("python -m exgrpo_jax.study run --config=configs/study_lora.py --out=runs/study_lora",
@@ -114,7 +114,7 @@ COMMANDS = [
     Command("python -m exgrpo_jax.study run --config=configs/study_v3.py --out=runs/study_v3",
             covered="tests/study_test.py::"
             "test_smoke_study_from_the_readme_command_runs_resumes_and_reports"),
-    Command("python scripts/accelerator_check.py [--smoke]",
+    Command("python scripts/accelerator/accelerator_check.py [--smoke]",
             covered="tests/accelerator_check_test.py::test_smoke_runs_every_part"),
     Command("pip install \"torch==2.13.0+cpu\"", skip=INSTALL),
     Command("pip install wandb", skip=INSTALL),
@@ -146,7 +146,7 @@ COMMANDS = [
             "--config.rollout.engine=vllm --config.rollout.vllm.gpu_memory_utilization=0.63 "
             "--config.rollout.vllm.tensor_parallel_size=2 ...",
             skip="8 GPUs with vLLM and Qwen2.5-Math-7B's weights"),
-    Command("python scripts/vllm_parity.py [--dtype bfloat16]",
+    Command("python scripts/accelerator/vllm_parity.py [--dtype bfloat16]",
             covered="tests/vllm_real_test.py::test_the_parity_script_prints_its_figures"),
     Command("python -m exgrpo_jax.train --config=configs/smollm2_135m.py "
             "--workdir=runs/smollm2-vllm --config.rollout.engine=vllm",
@@ -157,8 +157,8 @@ COMMANDS = [
             "--config.rollout.vllm.dtype=bfloat16 --config.algo.tis_cap=2",
             covered="tests/vllm_real_test.py::"
             "test_a_trainer_step_rolls_out_and_evaluates_through_vllm"),
-    Command("python scripts/vllm_memory_plan.py",
-            run="{python} scripts/vllm_memory_plan.py", expect=r'"kv_sequences"'),
+    Command("python scripts/accelerator/vllm_memory_plan.py",
+            run="{python} scripts/accelerator/vllm_memory_plan.py", expect=r'"kv_sequences"'),
     # docs/data.md
     Command("pip install -e \".[data]\"", skip=INSTALL),
     Command("python -m exgrpo_jax.prepare_data", skip=NETWORK),
@@ -215,48 +215,52 @@ COMMANDS = [
     Command("python -m exgrpo_jax.aot plan --render docs/results/aot_*.json --estimate",
             covered="tests/aot_lengths_test.py::"
             "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
-    Command("python scripts/bench_attention_memory.py",
-            run="{python} scripts/bench_attention_memory.py --lengths 256 --layers 1 "
+    Command("python scripts/bench/bench_attention_memory.py",
+            run="{python} scripts/bench/bench_attention_memory.py --lengths 256 --layers 1 "
             "--attention blockwise", expect=r'"temp_gib"', slow=True),
     # docs/accelerator_check.md
-    Command(".aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1",
+    Command(".aot/gpu/bin/python scripts/accelerator/accelerator_speed.py --predict h100x1",
             skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
             "layers) in the GPU AOT environment: minutes; its output is committed"),
-    Command("bash scripts/accelerator_bundle.sh install && export "
+    Command("bash scripts/accelerator/accelerator_bundle.sh install && export "
             "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTEST_ADDOPTS=\"-n 8\" && "
             "nvidia-smi -L && timeout 570 "
-            "python3 scripts/accelerator_check.py --out $OUT/accelerator_check.json 2>&1 | tee "
+            "python3 scripts/accelerator/accelerator_check.py --out $OUT/accelerator_check.json "
+            "2>&1 | tee "
             "$OUT/accelerator_check.log", skip=GPU_MACHINE),
-    Command("bash scripts/accelerator_bundle.sh install && export "
+    Command("bash scripts/accelerator/accelerator_bundle.sh install && export "
             "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && timeout 560 "
-            "python3 scripts/gpu_followup.py --out $OUT/gpu_followup.json --budget "
+            "python3 scripts/accelerator/gpu_followup.py --out $OUT/gpu_followup.json --budget "
             "decode=170,study=330 2>&1 | tee $OUT/gpu_followup.log", skip=GPU_MACHINE),
     Command("python -m exgrpo_jax.study report --config=configs/study_v3.py "
             "--summaries=docs/results/study_v3_gpu_runs --json=docs/results/study_v3_gpu.json "
             "--out=/tmp",
             skip="reports the GPU replicate's summaries, which a GPU session writes"),
-    Command("python scripts/gpu_followup.py --smoke --out /tmp/gpu_followup.json",
+    Command("python scripts/accelerator/gpu_followup.py --smoke --out /tmp/gpu_followup.json",
             covered="tests/gpu_followup_test.py::"
             "test_smoke_runs_both_parts_and_a_rerun_skips_what_is_done"),
-    Command("bash scripts/accelerator_bundle.sh prepare", skip="downloads wheels (PyPI)"),
+    Command("bash scripts/accelerator/accelerator_bundle.sh prepare",
+            skip="downloads wheels (PyPI)"),
     Command("pip install --no-index --no-deps --target /tmp/site",
             skip="what `accelerator_bundle.sh install` runs; " + GPU_MACHINE),
-    Command("python scripts/accelerator_check.py --render "
+    Command("python scripts/accelerator/accelerator_check.py --render "
             "docs/results/accelerator_check_<kind>.json",
             covered="tests/accelerator_check_test.py::"
             "test_render_gives_one_row_per_part_and_tables"),
     Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 570 python3 "
-            "scripts/accelerator_check.py --parts parity,sampler,learner,gap,train --budget "
+            "scripts/accelerator/accelerator_check.py --parts parity,sampler,learner,gap,train "
+            "--budget "
             "sampler=150 --budget learner=200 --out $OUT/accelerator_check.json 2>&1 | tee "
             "$OUT/accelerator_check.log", skip=GPU_MACHINE),
     Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 290 python3 "
-            "scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --samples 4 "
+            "scripts/bench/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --samples 4 "
             "--new-tokens 1024 --repeats 2 > $OUT/bench_sampler_schedulers_<kind>.json; "
-            "timeout 270 python3 scripts/bench_sampler.py --schedulers --batch-sizes 32 --rows "
+            "timeout 270 python3 scripts/bench/bench_sampler.py --schedulers --batch-sizes 32 "
+            "--rows "
             "32 --samples 4 --new-tokens 512 --repeats 2 > "
             "$OUT/bench_sampler_rows_fit_<kind>.json", skip=GPU_MACHINE),
     # docs/accelerator_results.md
-    Command("python scripts/accelerator_speed.py --compare "
+    Command("python scripts/accelerator/accelerator_speed.py --compare "
             "docs/results/accelerator_check_h200.json",
             covered="tests/accelerator_check_test.py::"
             "test_compare_sets_the_h200_learner_cases_against_the_aot_predictions"),
@@ -264,10 +268,10 @@ COMMANDS = [
     Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
     # docs/one_accelerator.md
     Command("pip install -e \".[test]\"", skip=INSTALL),
-    Command("python scripts/accelerator_check.py --out accelerator_check.json",
+    Command("python scripts/accelerator/accelerator_check.py --out accelerator_check.json",
             skip="minutes on an accelerator; its --smoke (tests/accelerator_check_test.py) "
             "runs every part on CPU"),
-    Command("python scripts/accelerator_check.py --render accelerator_check.json",
+    Command("python scripts/accelerator/accelerator_check.py --render accelerator_check.json",
             covered="tests/accelerator_check_test.py::"
             "test_render_gives_one_row_per_part_and_tables"),
     Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot plan "
@@ -276,7 +280,8 @@ COMMANDS = [
     Command("python -m exgrpo_jax.aot plan --render plan_h200x1.json --estimate",
             covered="tests/aot_lengths_test.py::"
             "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
-    Command("python scripts/gpu_followup.py --out followup/gpu_followup.json --parts study "
+    Command("python scripts/accelerator/gpu_followup.py --out followup/gpu_followup.json "
+            "--parts study "
             "--budget study=2400",
             skip="the study on an accelerator for 40 minutes; tests/gpu_followup_test.py runs "
             "its --smoke"),
@@ -285,8 +290,8 @@ COMMANDS = [
             "--config.model.lora.rank=4", covered="tests/lora_test.py::"
             "test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line"),
     # docs/reliability.md
-    Command("python scripts/fault_table.py --slow",
-            run="{python} scripts/fault_table.py", expect=r"\| kind \| case \|", slow=True),
+    Command("python scripts/plot/fault_table.py --slow",
+            run="{python} scripts/plot/fault_table.py", expect=r"\| kind \| case \|", slow=True),
     # docs/rewards.md
     Command("python -m exgrpo_jax.eval --data arithmetic --limit 10 --reward-module my_rewards "
             "--reward last_int", covered="tests/plugins_test.py::"
@@ -296,10 +301,10 @@ COMMANDS = [
             covered="tests/plugins_test.py::"
             "test_training_grades_with_the_doc_plugin_in_worker_processes"),
     # docs/results.md
-    Command("python scripts/bench_train.py --config=configs/smollm2_study_v3.py "
+    Command("python scripts/bench/bench_train.py --config=configs/smollm2_study_v3.py "
             "--variants=exgrpo --steps=4 --warmup=2 "
             "--baseline=model.remat=none,train.prompt_bucket=64",
-            run="{python} scripts/bench_train.py --config=configs/tiny.py --variants=exgrpo "
+            run="{python} scripts/bench/bench_train.py --config=configs/tiny.py --variants=exgrpo "
             "--steps=1 --warmup=0 --baseline=model.remat=full,train.prompt_bucket=64",
             expect=r'"exgrpo/over_baseline"', slow=True),
     Command("python -m exgrpo_jax.study status --config=configs/study_v3.py "
@@ -319,50 +324,55 @@ COMMANDS = [
             f"--config.train.seed=2 --workdir={{tmp}}/exgrpo_s2 {_TRAIN_SHORT}",
             expect=r"step 1/1", slow=True),
     # docs/sampler_performance.md
-    Command("python scripts/pool_ladder.py --out docs/results/pool_ladder.json",
-            run="{python} scripts/pool_ladder.py --plans docs/results/aot_qwen1_5b_h100x8.json",
+    Command("python scripts/bench/pool_ladder.py --out docs/results/pool_ladder.json",
+            run="{python} scripts/bench/pool_ladder.py "
+            "--plans docs/results/aot_qwen1_5b_h100x8.json",
             expect=r'"linear 32, then halves \(chosen\)"', slow=True),
-    Command("python scripts/bench_admission.py --repeats 1",
-            run="{python} scripts/bench_admission.py --model {tiny_model} --rows 4 "
+    Command("python scripts/bench/bench_admission.py --repeats 1",
+            run="{python} scripts/bench/bench_admission.py --model {tiny_model} --rows 4 "
             "--new-tokens 8 --budget-rows 1 --slots 4 --repeats 1",
             expect=r'"rows_identical": 4', slow=True),
-    Command("python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 "
+    Command("python scripts/bench/bench_sampler.py --vllm --skip-transformers --new-tokens 64 "
             "--repeats 5 [--vllm-dtype bfloat16]",
             covered="tests/vllm_real_test.py::"
             "test_the_benchmark_times_vllm_beside_the_jax_sampler"),
-    Command("python scripts/bench_sampler.py --repeats 3",
-            run="{python} scripts/bench_sampler.py --model {tiny_model} --batch-sizes 1 "
+    Command("python scripts/bench/bench_sampler.py --repeats 3",
+            run="{python} scripts/bench/bench_sampler.py --model {tiny_model} --batch-sizes 1 "
             "--new-tokens 8 --repeats 1",
             expect=r'"ratio_vs_transformers"', slow=True),
-    Command("python scripts/bench_sampler.py --skip-transformers --batch-sizes 32,64,128,256 "
+    Command("python scripts/bench/bench_sampler.py --skip-transformers --batch-sizes 32,64,128,256 "
             "--new-tokens 64 --repeats 3",
-            run="{python} scripts/bench_sampler.py --model {tiny_model} --skip-transformers "
+            run="{python} scripts/bench/bench_sampler.py --model {tiny_model} --skip-transformers "
             "--batch-sizes 2,4 --new-tokens 8 --repeats 1", expect=r'"decode_step_ms"',
             slow=True),
-    Command("python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024 "
+    Command("python scripts/bench/bench_sampler.py --cache-phases --batch-sizes 8 "
+            "--new-tokens 1024 "
             "--repeats 3",
-            run="{python} scripts/bench_sampler.py --model {tiny_model} --cache-phases "
+            run="{python} scripts/bench/bench_sampler.py --model {tiny_model} --cache-phases "
             "--batch-sizes 2 --new-tokens 512 --repeats 1", expect=r'"speedup"', slow=True),
-    Command("python scripts/bench_repage_memory.py",
-            run="{python} scripts/bench_repage_memory.py --layers 2 --rows 2 --new-tokens 128",
+    Command("python scripts/bench/bench_repage_memory.py",
+            run="{python} scripts/bench/bench_repage_memory.py --layers 2 --rows 2 "
+            "--new-tokens 128",
             expect=r'"max_layer_by_layer"', slow=True),
-    Command("python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 "
+    Command("python scripts/bench/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 "
             "--samples 4 --new-tokens 1024 --repeats 3",
-            run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
+            run="{python} scripts/bench/bench_sampler.py --model {tiny_model} --schedulers "
             "--batch-sizes 2 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
             expect=r'"continuous"', slow=True),
-    Command("python scripts/bench_paged_attention.py --slots 756,1032 --pool-slots 5560 "
+    Command("python scripts/bench/bench_paged_attention.py --slots 756,1032 --pool-slots 5560 "
             "--repeats 30",
-            run="{python} scripts/bench_paged_attention.py --slots 64 --pool-slots 128 "
+            run="{python} scripts/bench/bench_paged_attention.py --slots 64 --pool-slots 128 "
             "--layers 2 --repeats 2", expect=r'"dense_over_paged"'),
-    Command("python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 8 --samples 4 "
+    Command("python scripts/bench/bench_sampler.py --schedulers --batch-sizes 8 --rows 8 "
+            "--samples 4 "
             "--new-tokens N --repeats 3",
-            run="{python} scripts/bench_sampler.py --model {tiny_model} --schedulers "
+            run="{python} scripts/bench/bench_sampler.py --model {tiny_model} --schedulers "
             "--batch-sizes 4 --rows 4 --samples 2 --new-tokens 16 --repeats 1",
             expect=r'"continuous"', slow=True),
-    Command("python scripts/bench_train.py --config=configs/smollm2_study.py --variants=exgrpo "
+    Command("python scripts/bench/bench_train.py --config=configs/smollm2_study.py "
+            "--variants=exgrpo "
             "--schedulers=static,continuous --config.rollout.max_rows=4 --steps=8 --warmup=3",
-            run="{python} scripts/bench_train.py --config=configs/smollm2_study.py "
+            run="{python} scripts/bench/bench_train.py --config=configs/smollm2_study.py "
             "--variants=exgrpo --schedulers=static,continuous --config.rollout.max_rows=4 "
             "--steps=1 --warmup=0 --config.rollout.max_new_tokens=8",
             expect=r'"exgrpo/continuous_over_static"', slow=True),
@@ -520,7 +530,7 @@ def test_bench_sampler_without_pytorch_says_what_to_install(tiny_dir, tmp_path):
   script = ("import runpy, sys; sys.modules['torch'] = None; "
             f"sys.argv = ['bench_sampler.py', '--model', {tiny_dir!r}, '--batch-sizes', '1', "
             "'--new-tokens', '4', '--repeats', '1']; "
-            "runpy.run_path('scripts/bench_sampler.py', run_name='__main__')")
+            "runpy.run_path('scripts/bench/bench_sampler.py', run_name='__main__')")
   proc = subprocess.run([sys.executable, "-c", script], cwd=conftest.REPO_ROOT,
                         capture_output=True, text=True, timeout=600, check=False,
                         env=conftest.subprocess_env())
@@ -534,7 +544,7 @@ def test_bench_sampler_without_pytorch_says_what_to_install(tiny_dir, tmp_path):
 def test_bench_admission_names_a_bad_sweep_in_one_line():
   """A slot count that is not a number is refused by the flag's parser before any model
   loads: one line naming --sweep and the value, no traceback."""
-  proc = subprocess.run([sys.executable, "scripts/bench_admission.py", "--sweep", "64,x"],
+  proc = subprocess.run([sys.executable, "scripts/bench/bench_admission.py", "--sweep", "64,x"],
                         cwd=conftest.REPO_ROOT, capture_output=True, text=True, timeout=300,
                         check=False, env=conftest.subprocess_env())
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -25,7 +25,7 @@ from exgrpo_jax.models import safetensors_io
 from exgrpo_jax.aot import plan_cli
 from exgrpo_jax.training import run_guard
 from exgrpo_jax.training import run_log
-from scripts import bench_admission
+from scripts.bench import bench_admission
 from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
 TINY = models.ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,

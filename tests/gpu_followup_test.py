@@ -1,4 +1,4 @@
-"""scripts/gpu_followup.py, the GPU issue's prepared measurements, on CPU: its smoke run
+"""scripts/accelerator/gpu_followup.py, the GPU issue's prepared measurements, on CPU: its smoke
 (tiny models, one training step) and its argument errors."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from tests import conftest
 
-SCRIPT = os.path.join(conftest.REPO_ROOT, "scripts", "gpu_followup.py")
+SCRIPT = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator", "gpu_followup.py")
 
 
 def _run(*args, **kwargs):

@@ -162,7 +162,7 @@ def compiled_memory(fn, dtype, grad: bool) -> dict[str, int]:
               outputs=analysis.output_size_in_bytes)
 
 
-# bfloat16 with backward is left to scripts/bench_logprobs.py: XLA:CPU upcasts the whole
+# bfloat16 with backward is left to scripts/bench/bench_logprobs.py: XLA:CPU upcasts the whole
 # bfloat16 unembedding to float32 there (2.2 GB), a CPU artefact that puts it at ~1/4.
 @pytest.mark.parametrize("dtype,grad", [(jnp.float32, False), (jnp.float32, True),
                                         (jnp.bfloat16, False)])

@@ -114,7 +114,7 @@ def test_two_processes_split_the_rows_and_gather_them_in_order():
 
 def test_the_parity_script_prints_its_figures():
   proc = subprocess.run(
-      [sys.executable, "scripts/vllm_parity.py", "--prompts", "2", "--samples", "2",
+      [sys.executable, "scripts/accelerator/vllm_parity.py", "--prompts", "2", "--samples", "2",
        "--new-tokens", "4"], cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(),
       capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -130,7 +130,7 @@ def test_the_parity_script_prints_its_figures():
 
 def test_the_benchmark_times_vllm_beside_the_jax_sampler():
   proc = subprocess.run(
-      [sys.executable, "scripts/bench_sampler.py", "--vllm", "--skip-transformers",
+      [sys.executable, "scripts/bench/bench_sampler.py", "--vllm", "--skip-transformers",
        "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "1"],
       cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(), capture_output=True, text=True,
       timeout=600, check=False)

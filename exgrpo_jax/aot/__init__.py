@@ -6,5 +6,5 @@
 every program a training step runs with the trainer's shapes and shardings, `check`
 compiles them and `analysis` reads memory, FLOPs and collectives off each (docs/aot.md,
 "Ahead-of-time check"). It needs the accelerator's compiler in the environment:
-`scripts/aot_env.sh` makes one for TPU and one for GPU.
+`scripts/accelerator/aot_env.sh` makes one for TPU and one for GPU.
 """

@@ -6,7 +6,7 @@ r"""Does a config fit a TPU slice or GPU node, and how long is its step: compile
   python -m exgrpo_jax.aot plan --config=configs/qwen7b.py --target=v5p-8 --out=plan.json
   python -m exgrpo_jax.aot plan --render docs/results/aot_*.json [--estimate]
 
-Run it in an environment with the target's compiler (`bash scripts/aot_env.sh tpu` or
+Run it in an environment with the target's compiler (`bash scripts/accelerator/aot_env.sh tpu` or
 `gpu`; docs/aot.md). The first form compiles every program of the config's training
 step as it is: one row per program (compile time, peak memory per device against the
 usable memory, FLOPs, collectives, a roofline estimate), the JSON report to --out, and

@@ -60,7 +60,7 @@ def from_mean(mean: float, cap_share: float, cap: int, rows: int, seed: int = 0)
 
 
 def recorded(path: str, cap: int, rows: int) -> np.ndarray:
-  """Lengths from `scripts/record_rollout_lengths.py`'s JSON, each as its share of that
+  """Lengths from `scripts/bench/record_rollout_lengths.py`'s JSON, each as its share of that
   record's cap, scaled to `cap` and resampled (in order, cycled) to `rows`."""
   with open(path, encoding="utf-8") as f:
     try:

@@ -160,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
                       "rollout's seconds at real lengths too (exgrpo_jax.aot.lengths): the "
                       "three scenarios, or --lengths / --mean, and all rows at the cap")
   parser.add_argument("--lengths", help="with --estimate: "
-                      "scripts/record_rollout_lengths.py's JSON")
+                      "scripts/bench/record_rollout_lengths.py's JSON")
   parser.add_argument("--mean", type=float,
                       help="with --estimate: a mean response length (tokens)")
   parser.add_argument("--cap-share", type=float,

@@ -7,7 +7,7 @@ programs for them on a CPU host without the hardware (`devices`). Nothing runs o
   TPU   `jax.experimental.topologies.get_topology_desc(topology_name=..., platform="tpu")`;
         the compiler knows the chip's memory and refuses a program that does not fit.
   GPU   the same call with platform "cuda" and a GpuTargetConfigProto: one captured on
-        a real GPU of that model (gpu_specs/, `scripts/gpu_target_config.py`), else the
+        a real GPU of that model (gpu_specs/, `scripts/accelerator/gpu_target_config.py`), else the
         spec that the installed CUDA plugin itself carries (XLA's target specs, embedded
         in the plugin; `gpu_target_config`), or `--target-config FILE`. XLA:GPU does not
         refuse a program that is too large, so `usable_bytes` is the device memory times
@@ -160,7 +160,7 @@ def gpu_target_config(device_kind: str) -> str:
     import jax_plugins.xla_cuda13 as plugin  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise RuntimeError("no JAX CUDA plugin: install jax[cuda13] in this environment "
-                       "(scripts/aot_env.sh gpu)") from None
+                       "(scripts/accelerator/aot_env.sh gpu)") from None
   path = os.path.join(os.path.dirname(plugin.__file__), "xla_cuda_plugin.so")
   with open(path, "rb") as f:
     blob = f.read()

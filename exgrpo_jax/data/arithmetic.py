@@ -29,7 +29,7 @@ class ArithmeticSettings:
 
   The defaults are the CPU default run's task (configs/smollm2_135m.py): SmolLM2-135M-
   Instruct solves about 31% of them at temperature 0.7 and 14% at temperature 1
-  (scripts/calibrate_arithmetic.py, 32 questions x 2 samples, 48 new tokens).
+  (scripts/bench/calibrate_arithmetic.py, 32 questions x 2 samples, 48 new tokens).
 
   Attributes:
     seed: the generator's seed; the same settings always give the same questions.

@@ -41,7 +41,8 @@ IMPLEMENTATIONS = registry.Registry("attention implementation")
 # Kernels XLA cannot partition: on a mesh they run per shard (`_on_shards`).
 FUSED = ("cudnn", "splash")
 # auto on CPU: below this many key slots the einsum is as fast or faster (1.05x at 512,
-# blockwise 0.53x at 1024: scripts/bench_attention.py, docs/results/bench_attention_cpu.json).
+# blockwise 0.53x at 1024: scripts/bench/bench_attention.py,
+# docs/results/bench_attention_cpu.json).
 AUTO_BLOCKWISE_FROM = 1024
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)

@@ -8,7 +8,7 @@ weight, XLA:CPU transposed that weight on every decode step (~2% of a SmolLM2 st
 batch 64). q/k/v stay separate matmuls (one [D, (H+2K)*Dh] matmul was no faster on CPU),
 and so do gate and up: stacked into one [D, 2, F] matrix they cost a copy of 2/3 of the
 weights per call and made a SmolLM2 step at batch 8 about 5% slower on CPU
-(`scripts/bench_sampler.py`), XLA:TPU copied that matrix into its matmul's tiling on
+(`scripts/bench/bench_sampler.py`), XLA:TPU copied that matrix into its matmul's tiling on
 every decode chunk (1.8 GiB a chip of Qwen2.5-Math-7B's on a v5e-16, docs/aot.md), and
 the model's own layer, which the engine prefills with on these arrays (`unprepare`),
 took them apart again with strided copies.

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 # XLA's attention reads the whole pool each step: POOL_STEPS equal steps up to the
-# capacity, then halves down to one row per shard (scripts/pool_ladder.py weighs the
+# capacity, then halves down to one row per shard (scripts/bench/pool_ladder.py weighs the
 # decode programs a finer ladder compiles against the pool a coarser one reads in vain).
 # The TPU kernel reads only each row's pages, so a smaller pool would save no reads, only
 # cost resizes and programs: one size.

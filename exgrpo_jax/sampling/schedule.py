@@ -12,7 +12,7 @@ whether the tail moves into fewer slots (`_tail_slots`) and the pool's size
 (`PageTable.fit`); `continuous.generate` carries them out on the device in that order.
 None of it looks at tokens, so `simulate` runs the same decisions for rows of given
 lengths without a model: the pool sizes, pages and slots a rollout of that length
-distribution would use (the AOT planner's step estimates, `scripts/pool_ladder.py`).
+distribution would use (the AOT planner's step estimates, `scripts/bench/pool_ladder.py`).
 """
 
 import collections

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The environments `python -m exgrpo_jax.aot` compiles in, under .aot/ (git-ignored):
 #
-#   bash scripts/aot_env.sh [tpu|gpu|all]     (default: all)
+#   bash scripts/accelerator/aot_env.sh [tpu|gpu|all]     (default: all)
 #
 #   .aot/tpu   Python 3.12, jax[tpu]: XLA's TPU compiler (libtpu), 2.2 GB
 #   .aot/gpu   Python 3.12, the CUDA plugin with the CUDA parts its compiler uses, 3.3 GB
@@ -19,13 +19,13 @@
 # model, so the default test suite runs there too (JAX 0.12 is what TPU users install).
 # Python 3.12: $AOT_PYTHON, else python3.12 on PATH, else pyenv's newest 3.12.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 JAX_VERSION=0.12.0.1
 kinds=${1:-all}
 case "$kinds" in
   tpu|gpu) ;;
   all) kinds="tpu gpu" ;;
-  *) echo "usage: bash scripts/aot_env.sh [tpu|gpu|all]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/accelerator/aot_env.sh [tpu|gpu|all]" >&2; exit 2 ;;
 esac
 
 candidates=("${AOT_PYTHON:-}" python3.12)

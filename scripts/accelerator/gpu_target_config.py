@@ -1,6 +1,6 @@
 """Capture this GPU's target config, the spec XLA:GPU compiles against, for the AOT check.
 
-  python scripts/gpu_target_config.py --out gpu_target_config.pbtxt   # on the GPU
+  python scripts/accelerator/gpu_target_config.py --out gpu_target_config.pbtxt   # on the GPU
 
 XLA writes the GpuTargetConfigProto it compiled with (device description, cuDNN and CUDA
 versions) beside a dumped module; this compiles one small function with dumping on and

@@ -1,7 +1,7 @@
 r"""Which pool-size ladder for XLA's attention: decode programs compiled against the pool
 read in vain, from the plans' compiled programs (JSON).
 
-  python scripts/pool_ladder.py [--plans 'docs/results/aot_*_h*x8.json'] \
+  python scripts/bench/pool_ladder.py [--plans 'docs/results/aot_*_h*x8.json'] \
       [--out docs/results/pool_ladder.json]
 
 XLA's paged attention (GPUs, CPUs) reads the whole page pool every decode step, so a
@@ -25,7 +25,7 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from exgrpo_jax.aot import lengths  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import decode  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import pages  # pylint: disable=wrong-import-position

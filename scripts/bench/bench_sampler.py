@@ -1,12 +1,12 @@
 """Rollout throughput: the JAX sampler against vLLM and transformers `generate`.
 
-  python scripts/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
-  python scripts/bench_sampler.py --vllm --skip-transformers --new-tokens 64 --repeats 5
-  python scripts/bench_sampler.py --vllm --vllm-dtype bfloat16 --skip-transformers
-  python scripts/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
-  python scripts/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024
-  python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --new-tokens 512
-  python scripts/bench_sampler.py --schedulers --batch-sizes 8 --rows 8 --new-tokens 256
+  python scripts/bench/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
+  python scripts/bench/bench_sampler.py --vllm --skip-transformers --new-tokens 64 --repeats 5
+  python scripts/bench/bench_sampler.py --vllm --vllm-dtype bfloat16 --skip-transformers
+  python scripts/bench/bench_sampler.py --batch-sizes 64 --new-tokens 64 --repeats 3
+  python scripts/bench/bench_sampler.py --cache-phases --batch-sizes 8 --new-tokens 1024
+  python scripts/bench/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --new-tokens 512
+  python scripts/bench/bench_sampler.py --schedulers --batch-sizes 8 --rows 8 --new-tokens 256
 
 Both samplers run in this process on the same chat prompts (GSM8K test questions,
 `gsm8k_test.parquet` in the data directory where `python -m exgrpo_jax.prepare_data`

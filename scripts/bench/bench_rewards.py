@@ -1,6 +1,6 @@
 """Verification throughput of the reward pool on the 500 MATH-500 ground truths.
 
-  python scripts/bench_rewards.py [--workers 1,2] [--runs 3]
+  python scripts/bench/bench_rewards.py [--workers 1,2] [--runs 3]
 
 Two workloads, each response graded against its ground truth with Math-Verify:
   self       "The answer is $\\boxed{<gt>}$"      (should all be correct)

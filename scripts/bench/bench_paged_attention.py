@@ -8,7 +8,7 @@ one's query, so they run in order), with SmolLM2-135M's heads by default, for ea
 cache length S and a pool of the same B x S slots, then for pools of `--pool-slots`.
 Median of `--repeats` timings after a warm-up call (compile excluded); prints JSON.
 
-  python scripts/bench_paged_attention.py --batch 8 --slots 756,1032 --pool-slots 5560
+  python scripts/bench/bench_paged_attention.py --batch 8 --slots 756,1032 --pool-slots 5560
 """
 
 import argparse
@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from exgrpo_jax.models import attention  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.sampling import decode_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
-from scripts.bench_logprobs import median_seconds  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts.bench.bench_logprobs import median_seconds  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _median_ms(fn, args, repeats: int) -> float:

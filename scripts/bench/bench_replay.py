@@ -10,7 +10,7 @@ Fills an ExperienceBuffer with `--trajectories` correct responses of `--length` 
   * time: `update` of a 1024-response batch and `sample_questions(64)` on the full buffer
     (median after warm-up; the fill itself is the warm-up), `candidates`, `state_dict`.
 
-  python scripts/bench_replay.py [--trajectories=200000 --length=1000 --vocab=152064]
+  python scripts/bench/bench_replay.py [--trajectories=200000 --length=1000 --vocab=152064]
 """
 
 import argparse

@@ -6,7 +6,7 @@ the working memory XLA allocates beyond the arguments (hidden states, unembeddin
 outputs, which both paths share. Timing runs at a reduced size (`--time_*`), after a
 warm-up call (compile excluded), median of `--repeats` runs.
 
-  python scripts/bench_logprobs.py [--chunk_sizes=256,1024] [--dtypes=float32,bfloat16]
+  python scripts/bench/bench_logprobs.py [--chunk_sizes=256,1024] [--dtypes=float32,bfloat16]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 r"""Learning curves of a training run as PNGs (the paper's Figure 5 panels and more).
 
-  python scripts/plot_run.py --workdir runs/smollm2 [--out runs/smollm2/plots]
+  python scripts/plot/plot_run.py --workdir runs/smollm2 [--out runs/smollm2/plots]
 
 Reads `<workdir>/metrics.jsonl`; writes reward_and_validation.png, entropy.png,
 response_length.png, buffer.png (buffered questions and retired set over steps) and
@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from exgrpo_jax.training import run_log  # pylint: disable=wrong-import-position
 
 

@@ -1,7 +1,7 @@
-"""The parts of scripts/accelerator_check.py: each takes (Context, Deadline), returns figures.
+"""The parts of scripts/accelerator/accelerator_check.py: each takes (Context, Deadline), returns figures.
 
 Here: the registry, sizes and models the parts share, and the tests, parity, gap and
-train parts; the sampler and learner parts are in scripts/accelerator_speed.py.
+train parts; the sampler and learner parts are in scripts/accelerator/accelerator_speed.py.
 
 A part stops starting new measurements once its deadline has passed and lists what it
 left out under "skipped_for_budget". `figures["failures"]` (non-empty) marks a check that
@@ -31,9 +31,9 @@ from exgrpo_jax import sampling
 from exgrpo_jax.models import published
 from exgrpo_jax.training import actor as actor_lib
 from exgrpo_jax.training import trainer as trainer_lib
-from scripts import bench_sampler
+from scripts.bench import bench_sampler
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PARTS = registry.Registry("accelerator check part")
 
 

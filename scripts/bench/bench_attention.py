@@ -1,6 +1,6 @@
 r"""CPU time of the attention implementations, as ratios to `xla` in one process (JSON).
 
-  python scripts/bench_attention.py [--lengths=512,1024,2048,4096] [--repeats=5]
+  python scripts/bench/bench_attention.py [--lengths=512,1024,2048,4096] [--repeats=5]
 
 For each S: forward + backward (d/d params of a scalar of the final hidden states) of a
 small random-weight model (2 layers, D=256, 4 query / 2 KV heads of 64, float32), batch 1,
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from exgrpo_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position

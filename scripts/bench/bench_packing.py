@@ -1,12 +1,12 @@
 r"""Packed vs padded learner step (and scoring pass) time, as ratios in one process.
 
-  python scripts/bench_packing.py \
+  python scripts/bench/bench_packing.py \
       [--lengths=docs/results/smollm2_gsm8k_rollout_lengths.json] [--responses=32] \
       [--micro-batch=4] [--max-new-tokens=512] [--repeats=5]
 
 A mini-batch of `--responses` sequences whose prompt and response lengths are drawn
 (seeded, with replacement) from real rollouts recorded by
-scripts/record_rollout_lengths.py; without `--lengths`, from the stated synthetic
+scripts/bench/record_rollout_lengths.py; without `--lengths`, from the stated synthetic
 distribution (`SYNTHETIC`). Token ids are random, the model is a small random decoder
 (`--hidden`, `--layers`, `--vocab`). Both layouts go through the same learner
 (`learner.train_step` on `packing.train_batch(pack=True|False)`, the same compiled shapes)
@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from configs import common  # pylint: disable=g-import-not-at-top,wrong-import-position

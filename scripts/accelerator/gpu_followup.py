@@ -1,8 +1,8 @@
 r"""What a lent GPU should measure next (the GPU issue), in one command that a rerun finishes.
 
-  python scripts/gpu_followup.py --out $OUT/followup.json [--parts decode,study] \
+  python scripts/accelerator/gpu_followup.py --out $OUT/followup.json [--parts decode,study] \
       [--budget decode=170,study=330] [--jobs 6] [--workdir /tmp/gpu_followup]
-  python scripts/gpu_followup.py --smoke --out /tmp/followup.json     # CPU, tiny, 1 step
+  python scripts/accelerator/gpu_followup.py --smoke --out /tmp/followup.json     # CPU, tiny, 1 step
 
 decode  the JAX engine's bfloat16 tokens/s (EOS ignored, 128 new tokens) and decode-only
         rate for SmolLM2-135M-Instruct and the Qwen2.5-1.5B shape at batch 1, 8, 64 and
@@ -31,11 +31,10 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from exgrpo_jax import cli  # pylint: disable=wrong-import-position
-from scripts import accelerator_check  # pylint: disable=wrong-import-position
+from scripts.accelerator import accelerator_check  # pylint: disable=wrong-import-position
 
 ALL_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 VARIANTS = {
@@ -62,8 +61,8 @@ def key(variant: str, model: str, batch: int, engine: str) -> str:
 def decode_child(variant: str, deadline_s: float, done: set, smoke: bool) -> None:
   """Runs in a process with the variant's XLA_FLAGS: one JSON line per measurement."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
-  import bench_sampler  # pylint: disable=g-import-not-at-top
+  from scripts.accelerator import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
+  from scripts.bench import bench_sampler  # pylint: disable=g-import-not-at-top
   end = time.monotonic() + deadline_s
   ctx = parts.Context(smoke=smoke, tests=(), tests_log="", workdir="/tmp")
   new_tokens, repeats = (4, 1) if smoke else (NEW_TOKENS, REPEATS)

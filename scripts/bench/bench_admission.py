@@ -1,7 +1,7 @@
 r"""One KV budget, two ways to spend it: slots sized for rows at their longest, or
 admission by free pages with preemption (`rollout.kv_pages`), side by side (JSON).
 
-  python scripts/bench_admission.py [--rows 256] [--new-tokens 512] [--budget-rows 64]
+  python scripts/bench/bench_admission.py [--rows 256] [--new-tokens 512] [--budget-rows 64]
       [--slots 256] [--repeats 2] [--model PATH]
 
 Both engines hold at most the KV pages of `--budget-rows` rows at their longest (prompt
@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from exgrpo_jax import cli  # pylint: disable=wrong-import-position
 from exgrpo_jax import models  # pylint: disable=wrong-import-position
 from exgrpo_jax.aot import lengths  # pylint: disable=wrong-import-position
@@ -38,7 +38,7 @@ from exgrpo_jax.sampling import decode  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import pages  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import schedule  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import slots as slots_lib  # pylint: disable=wrong-import-position
-from scripts import bench_sampler  # pylint: disable=wrong-import-position
+from scripts.bench import bench_sampler  # pylint: disable=wrong-import-position
 
 PAGE = lengths.PAGE  # the engine's page size
 COUNTED = ("compile_s", "new_tokens", "decode_steps", "slot_steps", "preemptions",

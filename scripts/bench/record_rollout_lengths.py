@@ -1,12 +1,12 @@
 r"""Records prompt and response lengths of real SmolLM2 rollouts on GSM8K prompts.
 
-  python scripts/record_rollout_lengths.py --questions=16 --k=4 --max-new-tokens=512 \
+  python scripts/bench/record_rollout_lengths.py --questions=16 --k=4 --max-new-tokens=512 \
       --out=docs/results/smollm2_gsm8k_rollout_lengths.json
 
 The embedded SmolLM2-135M-Instruct samples `--k` responses (temperature 1, the
 training rollout's sampling) to each of the first `--questions` GSM8K training
 questions, rendered as configs/smollm2_135m.py renders them. Writes JSON: per rollout
-the prompt and response token counts and whether it hit the cap; scripts/bench_packing.py
+the prompt and response token counts and whether it hit the cap; scripts/bench/bench_packing.py
 replays these lengths.
 """
 
@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from configs import smollm2_135m  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -1,6 +1,6 @@
 r"""JAX / vLLM split of each GPU of a node for the paper configs with rollout.engine=vllm (JSON).
 
-  python scripts/vllm_memory_plan.py [--target=h100x8]
+  python scripts/accelerator/vllm_memory_plan.py [--target=h100x8]
 
 With vLLM rollouts JAX no longer samples: per GPU it needs its learner peak in the
 learner phase and only the resident state (params + AdamW, their shards) while vLLM
@@ -32,9 +32,8 @@ import math
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 

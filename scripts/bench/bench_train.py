@@ -1,6 +1,6 @@
 r"""Training-step time of ExGRPO vs on-policy Dr.GRPO on one config, side by side (JSON).
 
-  python scripts/bench_train.py --config=configs/smollm2_135m.py --config.algo.delayed_start=0
+  python scripts/bench/bench_train.py --config=configs/smollm2_135m.py --config.algo.delayed_start=0
 
 Builds one trainer per variant (`--variants`, default exgrpo,onpolicy) in fresh temporary
 workdirs and runs their steps interleaved (exgrpo step 1, onpolicy step 1, exgrpo step
@@ -23,7 +23,7 @@ must be below the rows a step rolls out; a config that leaves it at 0 (every row
 call, where both schedulers run the static loop) gets a quarter of a step's rows, said
 on stderr and recorded in the JSON:
 
-  python scripts/bench_train.py --config=configs/smollm2_study.py --variants=exgrpo \
+  python scripts/bench/bench_train.py --config=configs/smollm2_study.py --variants=exgrpo \
       --schedulers=static,continuous --config.rollout.max_rows=4
 
 With `--baseline=key=value,...` every run also runs as `<run>/baseline`, the config with
@@ -52,7 +52,7 @@ from ml_collections import config_flags
 import numpy as np
 
 # The config files import `configs.common` from the repository root.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from configs import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax import sampling  # pylint: disable=g-import-not-at-top
 from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top

@@ -1,11 +1,11 @@
 r"""Every accelerator check in one command: a table on stdout and one JSON file (issue 15).
 
-  python scripts/accelerator_check.py --out accelerator_check.json     # one GPU, ~9 minutes
-  python scripts/accelerator_check.py --smoke --out /tmp/smoke.json    # CPU, tiny shapes
-  python scripts/accelerator_check.py --parts parity,learner --budget learner=300
+  python scripts/accelerator/accelerator_check.py --out accelerator_check.json     # one GPU, ~9 minutes
+  python scripts/accelerator/accelerator_check.py --smoke --out /tmp/smoke.json    # CPU, tiny shapes
+  python scripts/accelerator/accelerator_check.py --parts parity,learner --budget learner=300
 
 Parts, in this order, each under its own time budget (`BUDGETS_S`, `--budget NAME=S`;
-scripts/accelerator_parts.py and, for sampler and learner, scripts/accelerator_speed.py):
+scripts/accelerator/accelerator_parts.py and, for sampler and learner, scripts/accelerator/accelerator_speed.py):
   tests    the default test suite in a subprocess on this backend, failures listed;
   parity   our logits and log-probs against transformers' (PyTorch, CUDA when present)
            for SmolLM2-135M-Instruct's real weights, float32 and bfloat16;
@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 ORDER = ("tests", "parity", "sampler", "learner", "gap", "train")
@@ -190,8 +190,8 @@ def main(argv=None) -> int:
   # instead of 75% at start.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   # After the environment above: these import JAX. accelerator_speed registers two parts.
-  from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
-  from scripts import accelerator_speed  # pylint: disable=g-import-not-at-top,unused-import
+  from scripts.accelerator import accelerator_parts as parts  # pylint: disable=g-import-not-at-top
+  from scripts.accelerator import accelerator_speed  # pylint: disable=g-import-not-at-top,unused-import
   out = os.path.abspath(args.out)
   report = dict(command=" ".join(sys.argv), smoke=args.smoke,
                 started_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(

@@ -1,14 +1,14 @@
-"""The speed parts of scripts/accelerator_check.py: sampler tokens/s and the learner step.
+"""The speed parts of scripts/accelerator/accelerator_check.py: sampler tokens/s and the learner step.
 
 Registered in `accelerator_parts.PARTS`; shapes from `accelerator_parts.Sizes`. Run alone,
-in scripts/aot_env.sh's GPU environment, it writes the AOT check's memory figures of the
+in scripts/accelerator/aot_env.sh's GPU environment, it writes the AOT check's memory figures of the
 learner cases for a GPU the check will run on:
 
-  .aot/gpu/bin/python scripts/accelerator_speed.py --predict h100x1
+  .aot/gpu/bin/python scripts/accelerator/accelerator_speed.py --predict h100x1
 
 and sets a check's learner figures against them (Markdown):
 
-  python scripts/accelerator_speed.py --compare docs/results/accelerator_check_h200.json
+  python scripts/accelerator/accelerator_speed.py --compare docs/results/accelerator_check_h200.json
 """
 
 import argparse
@@ -29,13 +29,13 @@ from exgrpo_jax.aot import targets
 from exgrpo_jax.models import attention
 from exgrpo_jax.training import learner
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:  # run as a script
   sys.path.insert(0, REPO)
 
-from scripts import accelerator_parts as parts  # pylint: disable=g-import-not-at-top,wrong-import-position
-from scripts import bench_attention_memory  # pylint: disable=g-import-not-at-top,wrong-import-position
-from scripts import bench_sampler  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts.accelerator import accelerator_parts as parts  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts.bench import bench_attention_memory  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts.bench import bench_sampler  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
 AOT_PREDICTIONS = os.path.join(REPO, "docs", "results", "aot_accelerator_learner.json")
@@ -150,7 +150,7 @@ def _lower(config, cfg, params, opt_state, batch):
 
 def predict(target: str, out: str) -> None:
   """The AOT check's memory figures for every learner case of the full check on one
-  `target` device (run in scripts/aot_env.sh's GPU environment); the check on that GPU
+  `target` device (run in scripts/accelerator/aot_env.sh's GPU environment); the check on that GPU
   sets its own against them (`aot_prediction`)."""
   from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
   targets.prepare_environment()

@@ -1,7 +1,7 @@
 r"""Runs the fault-injection suite and prints its table (tried / handled or survived).
 
-  python scripts/fault_table.py          # default-suite cases (library level)
-  python scripts/fault_table.py --slow   # plus the process-level kills (minutes)
+  python scripts/plot/fault_table.py          # default-suite cases (library level)
+  python scripts/plot/fault_table.py --slow   # plus the process-level kills (minutes)
 
 Runs `pytest tests/fault_*_test.py` with a JUnit report and sorts every case into bad
 inputs or kills and faults (CASES below); a case counts as handled / survived when its
@@ -20,7 +20,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INPUT, FAULT = "bad input", "kill or fault"
 # test name -> (kind, what is tried; what must happen)
 CASES = {

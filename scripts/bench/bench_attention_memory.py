@@ -1,6 +1,6 @@
 r"""XLA's memory analysis of the learner step at Qwen2.5-7B layer shapes, per attention.
 
-  python scripts/bench_attention_memory.py [--lengths=2304,4608,9216] \
+  python scripts/bench/bench_attention_memory.py [--lengths=2304,4608,9216] \
       [--attention=xla,blockwise] [--layers=2]
 
 Compiles (never runs) `learner.train_step` for one micro-batch of one sequence of S tokens
@@ -23,7 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from configs import qwen7b  # pylint: disable=g-import-not-at-top,wrong-import-position

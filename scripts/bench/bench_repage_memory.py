@@ -1,6 +1,6 @@
 """Device memory of a page-pool resize (`slots.repage`) against the static loop's KV cache.
 
-  python scripts/bench_repage_memory.py [--layers 4] [--rows 8] [--new-tokens 1024]
+  python scripts/bench/bench_repage_memory.py [--layers 4] [--rows 8] [--new-tokens 1024]
 
 Runs one continuous rollout of a small random model (EOS ignored, so the pool grows to
 its largest) and, at every resize, measures two ways of moving the pool, in bytes over

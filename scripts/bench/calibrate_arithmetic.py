@@ -1,6 +1,6 @@
 r"""Starting accuracy of the embedded SmolLM2 on the arithmetic task, per difficulty (JSON).
 
-  python scripts/calibrate_arithmetic.py --questions 48 --samples 2 --max-new-tokens 48 \
+  python scripts/bench/calibrate_arithmetic.py --questions 48 --samples 2 --max-new-tokens 48 \
       --temperatures 0,0.7,1 --setting "operations=add,sub;max_operand=9;train_size=150"
 
 For every `--setting` (`;`-separated ArithmeticSettings fields, `ArithmeticSettings.parse`)
