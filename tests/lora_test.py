@@ -233,8 +233,6 @@ def test_vllm_receives_the_merged_weights(monkeypatch):
     (dict(rank=4, alpha=0.0), "config.model.lora.alpha=0.0: must be a number > 0"),
     (dict(rank=4, targets=["q_proj", "qkv"]),
      "config.model.lora.targets=['q_proj', 'qkv']: name each weight once, from q_proj"),
-    (dict(rank=4, base_quant="nf4"),
-     "config.model.lora.base_quant='nf4': a quantized base (QLoRA) is not available yet"),
     (dict(rank=4, base_quant="int4"), "config.model.lora.base_quant='int4': must be one of"),
     (dict(alpha=32.0), "config.model.lora.alpha=32.0: set only with model.lora.rank > 0"),
     (dict(targets=["q_proj"]), "config.model.lora.targets=['q_proj']: set only with"),

@@ -40,6 +40,7 @@ from exgrpo_jax.sampling import pages
 from exgrpo_jax.sampling import paged_kernel
 from exgrpo_jax.sampling import slots as slots_lib
 from exgrpo_jax.training import learner
+from exgrpo_jax.training import lora_run
 from exgrpo_jax.training import padding
 from exgrpo_jax.training import phase
 
@@ -86,10 +87,12 @@ def _key_dtype():
 
 
 def _lora_state(config, cfg, mesh):
-  """A LoRA run's abstract state: (`lora.LoraParams` of the frozen base, placed as the
-  trainer places params, and the adapters; the adapters' optimizer state)."""
+  """A LoRA run's abstract state: (`lora.LoraParams` of the frozen base, quantized with
+  `model.lora.base_quant` and placed as the trainer places it, and the adapters; the
+  adapters' optimizer state)."""
   c = config.model.lora
-  base = sharding.abstract(models.abstract_params(cfg), models.param_shardings(cfg, mesh))
+  base = sharding.abstract(lora_run.abstract_base(config, cfg),
+                           lora_run.base_shardings(config, cfg, mesh))
   shardings = lora.adapter_shardings(cfg, c.rank, tuple(c.targets), mesh)
   abstract = lora.abstract_adapters(cfg, c.rank, tuple(c.targets))
   tx = learner.make_optimizer(config.optim)

@@ -102,7 +102,7 @@ def read_config(hf_dir: str, **overrides) -> config_lib.ModelConfig:
     raise ValueError(f"{hf_dir}/config.json: {e}") from None
 
 
-def load_params(hf_dir: str, cfg: config_lib.ModelConfig, shardings=None):
+def load_params(hf_dir: str, cfg: config_lib.ModelConfig, shardings=None, convert=None):
   """Reads every tensor named by the key table into our (stacked) parameter tree.
 
   Args:
@@ -110,6 +110,9 @@ def load_params(hf_dir: str, cfg: config_lib.ModelConfig, shardings=None):
     cfg: its ModelConfig; `cfg.param_dtype` is the dtype of the returned params.
     shardings: optional tree (like the params) of `jax.sharding.Sharding`s; each tensor
       is placed with its sharding as soon as it is read, never whole on one device.
+    convert: optional `convert(path, array)`, applied to each placed array (its keys in
+      the tree, e.g. ("layers", "attn", "q_proj")) before the next is read: a QLoRA
+      base is quantized so, one weight at a time (`lora.quantize_weight`).
   """
   file_of = safetensors_io.open_checkpoint(hf_dir)
   rows = hf_keys.key_table(cfg)
@@ -149,7 +152,8 @@ def load_params(hf_dir: str, cfg: config_lib.ModelConfig, shardings=None):
       else:
         out[...] = array.astype(dtype)
     sharding = _get(shardings, path) if shardings is not None else None
-    _set(params, path, jax.device_put(out, sharding) if sharding else jnp.asarray(out))
+    placed = jax.device_put(out, sharding) if sharding else jnp.asarray(out)
+    _set(params, path, convert(path, placed) if convert else placed)
   return params
 
 

@@ -12,6 +12,11 @@ beside its weight, `for_forward`), the learner differentiates the adapters only 
 base is a non-differentiated argument of its step), and the samplers receive `merged`
 weights, W + scale * A @ B per layer, so every rollout uses the current adapter.
 
+With `model.lora.base_quant` int8 or nf4 (QLoRA) the base's layer projections, all
+seven whether adapted or not, are stored quantized (`quant`, qwix's arrays;
+`quantize_base`), and the embeddings, head and norms stay in `param_dtype`. The model
+dequantizes each weight inside its layer; `merge` dequantizes before it adds A @ B.
+
 A is random (PEFT's kaiming-uniform: U(-1/sqrt(in), 1/sqrt(in))), B zero, so step 0's
 policy is the base model exactly. The factors carry logical axis names (their weight's,
 plus `lora_rank`, which no rule splits), so `exgrpo_jax.sharding` places them like their
@@ -28,6 +33,7 @@ import jax.numpy as jnp
 
 from exgrpo_jax import sharding
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import quant
 
 # Each target projection: its sub-module in a layer, its input and output axes (logical
 # names, as `transformer.Attention` / `transformer.MLP` declare the weight).
@@ -42,7 +48,7 @@ _TARGETS = {
 }
 TARGETS = tuple(_TARGETS)
 RANK_AXIS = "lora_rank"
-BASE_QUANTS = ("none", "int8", "nf4")
+BASE_QUANTS = ("none",) + quant.KINDS
 # The `model.lora` config section's defaults (configs/common.py).
 DEFAULTS = dict(rank=0, alpha=16.0, targets=list(TARGETS), base_quant="none")
 
@@ -68,9 +74,6 @@ def config_problems(lora_config) -> list[str]:
                  + (f" ({', '.join(map(str, unknown))} names no weight)" if unknown else ""))
   if lora_config.base_quant not in BASE_QUANTS:
     lines.append(f"{key('base_quant')}: must be one of {', '.join(BASE_QUANTS)}")
-  elif lora_config.base_quant != "none":
-    lines.append(f"{key('base_quant')}: a quantized base (QLoRA) is not available yet; "
-                 "use none (the frozen base in model.dtype)")
   return lines
 
 
@@ -150,6 +153,43 @@ def _with_targets(params: LoraParams, entries):
   return dict(params.base, layers=layers)
 
 
+def quantize_weight(path, w, base_quant: str, shardings=None):
+  """The base's weight `w` at `path` (its keys, e.g. ("layers", "attn", "q_proj")) as a
+  base with `base_quant` stores it: a layer projection quantized (placed by the
+  quantized base's `shardings`, `base_shardings`), anything else as it is."""
+  if base_quant == "none" or tuple(path[:1]) != ("layers",) or path[-1] not in _TARGETS:
+    return w
+  placed = {} if shardings is None else {
+      "out_shardings": shardings["layers"][_TARGETS[path[-1]][0]][path[-1]]}
+  n_in = len(_TARGETS[path[-1]][1])
+  return jax.jit(functools.partial(quant.quantize, kind=base_quant, n_in=n_in),
+                 **placed)(w)
+
+
+def quantize_base(base, base_quant: str, shardings=None):
+  """`base` with every layer projection quantized (`quantize_weight`), one weight at a
+  time; as it is for "none"."""
+  layers = {module: {name: quantize_weight(("layers", module, name), w, base_quant,
+                                           shardings)
+                     for name, w in weights.items()}
+            for module, weights in base["layers"].items()}
+  return dict(base, layers=layers)
+
+
+def abstract_base(abstract_params, base_quant: str):
+  """ShapeDtypeStructs of the base a run with `base_quant` holds (`quantize_base`)."""
+  return jax.eval_shape(functools.partial(quantize_base, base_quant=base_quant),
+                        abstract_params)
+
+
+def base_logical_axes(param_axes, abstract):
+  """The logical axis names of the `abstract` base (`abstract_base`), given the
+  params' (`models.logical_axes`): a quantized weight's by `quant.logical_axes`."""
+  return jax.tree.map(
+      lambda x, names: quant.logical_axes(names, x) if quant.is_quantized(x) else names,
+      abstract, param_axes, is_leaf=quant.is_quantized)
+
+
 def for_forward(params):
   """The tree the model applies: plain params as they are; for `LoraParams`, the base
   with each target's factors beside its weight (`<name>_lora_a`, `<name>_lora_b`, B
@@ -171,9 +211,11 @@ def _delta(a_Lx_in_xr: jax.Array, b_Lxrx_out: jax.Array, scale_: float) -> jax.A
 
 def merge(params):
   """`merged`'s computation, to trace inside a caller's program (the JAX engine merges
-  while it reshards and casts its rollout copy, so no merged copy outlives it)."""
+  while it reshards and casts its rollout copy, so no merged copy outlives it). A
+  quantized base is dequantized first: the merged weights are in `param_dtype`."""
   if not isinstance(params, LoraParams):
     return params
+  params = params.replace(base=quant.dequantize_tree(params.base))
   return _with_targets(params, lambda name, w, ab: {name: (
       w.astype(jnp.float32) + _delta(ab["a"], ab["b"], params.scale)).astype(w.dtype)})
 
@@ -187,13 +229,13 @@ def _merge_program(treedef, flat_shardings):
 
 def merged(params):
   """Plain params: `LoraParams` with W + scale * A @ B in every target (one jitted
-  program, in the base's shardings and dtypes); plain params as they are. What the
-  samplers and the HF export receive."""
+  program, in the base's shardings and dtypes; a quantized weight's codes' sharding);
+  plain params as they are. What the samplers and the HF export receive."""
   if not isinstance(params, LoraParams):
     return params
   if sharding.mesh_of(params.base) is None:
     return _merge_program(None, None)(params)
-  flat, treedef = jax.tree.flatten(sharding.shardings_of(params.base))
+  flat, treedef = jax.tree.flatten(quant.plain_shardings(sharding.shardings_of(params.base)))
   return _merge_program(treedef, tuple(flat))(params)
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from exgrpo_jax.models import attention as attention_lib
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import quant
 
 
 @flax.struct.dataclass
@@ -134,7 +135,10 @@ def attend(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxTxS, cache_kv):
 
 
 def _param(module, name, init, shape, axes, dtype):
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+  # A QLoRA base's quantized weight (`models.quant`) is dequantized here, where the
+  # layer reads it: inside the scan, one layer's weights at a time.
+  return quant.dequantize(
+      module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype))
 
 
 def _with_lora(module, name, y, x, contract: str, dtype):

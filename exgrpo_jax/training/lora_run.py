@@ -16,8 +16,10 @@ import jax
 import ml_collections
 
 from exgrpo_jax import models
+from exgrpo_jax import sharding
 from exgrpo_jax.models import loading
 from exgrpo_jax.models import lora
+from exgrpo_jax.models import quant
 from exgrpo_jax.training import config_check
 
 # Weight files whose bytes identify a Hugging Face base directory.
@@ -71,13 +73,34 @@ def base_fingerprint(config, model_path: str) -> dict:
   return dict(path=os.path.abspath(model_path), sha256=_sha256_of_files(files))
 
 
+def abstract_base(config, model_cfg):
+  """ShapeDtypeStructs of the frozen base (quantized with `model.lora.base_quant`)."""
+  return lora.abstract_base(models.abstract_params(model_cfg), config.model.lora.base_quant)
+
+
+def base_shardings(config, model_cfg, mesh):
+  """The frozen base's shardings on `mesh`: the params' (`models.param_shardings`),
+  a quantized weight's codes like its weight and its scales along the axes they run
+  along (`quant.logical_axes`)."""
+  abstract = abstract_base(config, model_cfg)
+  names = lora.base_logical_axes(models.logical_axes(model_cfg), abstract)
+  return sharding.tree_shardings(names, abstract, mesh)
+
+
 def base_weights(config, model_cfg, shardings=None):
   """The frozen base as a run with `config` loads it: `model.path` (or the embedded
-  model), or the random weights of `model.random_init` drawn from `train.seed`."""
+  model), or the random weights of `model.random_init` drawn from `train.seed`; with
+  `model.lora.base_quant`, each layer projection quantized as it is placed
+  (`shardings`: `base_shardings`)."""
+  kind = config.model.lora.base_quant
+  plain = None if shardings is None else quant.plain_shardings(shardings)
   if config.model.random_init:
-    return models.init_params(model_cfg, jax.random.key(config.train.seed), shardings)
+    base = models.init_params(model_cfg, jax.random.key(config.train.seed), plain)
+    return lora.quantize_base(base, kind, shardings)
   hf_dir = models.resolve_hf_dir(config.model.path or models.default_model_path())
-  return loading.load_params(hf_dir, model_cfg, shardings)
+  return loading.load_params(
+      hf_dir, model_cfg, plain,
+      convert=lambda path, w: lora.quantize_weight(path, w, kind, shardings))
 
 
 def with_checkpoint_base(meta: dict, model_cfg, adapters) -> lora.LoraParams:

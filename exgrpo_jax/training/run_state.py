@@ -84,8 +84,9 @@ class RunState:
         (self.params, self.opt_state))
     self._base_fingerprint = None
     if lora_run.enabled(config):
-      # The learner's trainable params are the adapters; the base keeps param_shardings.
-      self.base_shardings = self.param_shardings
+      # The learner's trainable params are the adapters; the base keeps param_shardings
+      # (a quantized base: its codes like the weights, `lora_run.base_shardings`).
+      self.base_shardings = lora_run.base_shardings(config, self.model_cfg, self.mesh)
       self.param_shardings = lora_run.adapter_shardings(config, self.model_cfg, self.mesh)
       abstract = lora.abstract_adapters(self.model_cfg, m.lora.rank, tuple(m.lora.targets))
       self.opt_shardings = sharding.optimizer_shardings(self._tx, abstract,
