@@ -81,6 +81,32 @@ def test_at_a_distribution_the_learner_is_priced_over_the_packers_own_micro_batc
   assert est["learner_s"] < report["step_estimate"]["learner_s"]
 
 
+def test_a_target_without_overlap_adds_compute_and_memory_times():
+  """This host's CPU (`targets.this_cpu`) runs fused ops one after another: a program's
+  floor is its FLOPs' time plus its bytes' time, in every estimate."""
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  assert not targets.this_cpu(1e11, 2e10).overlap
+  assert targets.get("v5e-8").overlap
+  with open(os.path.join(conftest.REPO_ROOT, "docs/results/aot_qwen7b_h100x8.json"),
+            encoding="utf-8") as f:
+    report = json.load(f)["report"]
+  b, programs = report["batch"], {p["name"]: p for p in report["programs"]}
+  lengths_R = lengths.scenario("mid", b["response_tokens"], b["questions"] * b["k"])
+  overlapped = step_lengths.learner_estimate(report, lengths_R)
+  report["target"] = dict(report["target"], overlap=False)
+  serial = step_lengths.learner_estimate(report, lengths_R)
+  M = int(programs["learner_step"]["purpose"].split(" micro-batches")[0].split()[-1])
+  t = report["target"]
+  assert serial["learner_s"] == pytest.approx(sum(
+      n / M * programs["learner_step"]["flops_per_device"] / t["peak_flops"]
+      + analysis.call_bytes(programs["learner_step"]) / t["hbm_bandwidth"]
+      for n in serial["micro_batches"]), rel=1e-12)
+  assert serial["learner_s"] > overlapped["learner_s"]
+  seconds = analysis.bound_s(np.array([2.0, 6.0]), np.array([3.0, 1.0]), t)
+  assert seconds == pytest.approx([2 / t["peak_flops"] + 3 / t["hbm_bandwidth"],
+                                   6 / t["peak_flops"] + 1 / t["hbm_bandwidth"]])
+
+
 def test_the_step_table_names_the_largest_part_and_the_measured_efficiency():
   with open(os.path.join(conftest.REPO_ROOT, "docs/results/aot_qwen7b_h200x8.json"),
             encoding="utf-8") as f:

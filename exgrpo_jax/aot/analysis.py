@@ -18,8 +18,11 @@ recorded as they are (`xla_flops`, `xla_bytes`), and the estimates use loop-awar
             that updates donated state in place (`in_place`: the page pool, the slots)
             neither reads nor writes that state whole per call: its aliased bytes are
             left out, and what it reads of them is in `streamed`.
-  roofline  max(flops / peak FLOP/s, bytes / HBM bandwidth) per call: a lower bound
-            on the time that ignores communication, kernel efficiency and host work.
+  roofline  max(flops / peak FLOP/s, bytes / HBM bandwidth) per call (`bound_s`): a
+            lower bound on the time that ignores communication, kernel efficiency and
+            host work. On a target that does not overlap compute with memory traffic
+            (`Target.overlap` false: a host CPU, whose XLA backend runs one fused op
+            after another) the two terms add instead.
 """
 
 import dataclasses
@@ -192,9 +195,16 @@ def call_bytes(program: dict) -> float:
   return program["argument_bytes"] + program["output_bytes"] - in_place
 
 
-def roofline(result: Result, streamed_bytes: int, steps: int, peak_flops: float,
-             bandwidth: float) -> None:
+def bound_s(flops, hbm_bytes, target: dict):
+  """The roofline seconds of `flops` and `hbm_bytes` (numbers or arrays) on `target` (a
+  report's target: peak_flops, hbm_bandwidth, overlap): the larger of the compute and
+  memory times, or their sum where the target does not overlap them."""
+  compute, memory = flops / target["peak_flops"], hbm_bytes / target["hbm_bandwidth"]
+  return np.maximum(compute, memory) if target.get("overlap", True) else compute + memory
+
+
+def roofline(result: Result, streamed_bytes: int, steps: int, target: dict) -> None:
   """Fills `result`'s HBM bytes per call and roofline time (see the module docstring)."""
   result.hbm_bytes_per_call = call_bytes(dataclasses.asdict(result)) + steps * streamed_bytes
-  result.roofline_s = max(result.flops_per_device / peak_flops,
-                          result.hbm_bytes_per_call / bandwidth)
+  result.roofline_s = float(bound_s(result.flops_per_device, result.hbm_bytes_per_call,
+                                    target))

@@ -104,8 +104,7 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   streamed = analysis.shard_bytes([args[i] for i in program.streamed[:-1]])
   if program.streamed:
     streamed += program.cache_share * analysis.shard_bytes([args[program.streamed[-1]]])
-  analysis.roofline(result, streamed, program.steps, target.peak_flops,
-                    target.hbm_bandwidth)
+  analysis.roofline(result, streamed, program.steps, dataclasses.asdict(target))
   return result
 
 

@@ -7,7 +7,7 @@
 `check.step_estimate` prices every row at `max_new_tokens`, the worst case. Real rollouts
 end far earlier (SCENARIOS), so here the continuous scheduler runs over a length
 distribution without a model (`schedule.simulate`: the engine's own decisions, chunk by
-chunk), and each chunk is priced by the same roofline (`analysis.roofline`) from the
+chunk), and each chunk is priced by the same roofline (`analysis.bound_s`) from the
 report's compiled `decode_chunk`: its bytes per call less the pool it was compiled with,
 plus the pool of that chunk's size (read whole each step by XLA's attention, only the
 live rows' pages by the TPU kernel; updated in place, so not moved whole per call,
@@ -107,8 +107,7 @@ class Prices:
   repage_s: float        # one layer's resize (roofline), times layers per resize
   fixed_s: float         # the programs run once a rollout
   admit_s: float         # admit's calls as compiled (prompts do not change)
-  peak_flops: float
-  bandwidth: float
+  target: dict           # the report's target (analysis.bound_s)
   layers: int
 
 
@@ -166,8 +165,7 @@ def prices(report: dict) -> Prices:
       fixed_s=sum(programs[n]["roofline_s"] * programs[n]["calls_per_step"]
                   for n in ("rollout_copy", "prepare_layers", "empty")),
       admit_s=admit["roofline_s"] * admit["calls_per_step"],
-      peak_flops=target["peak_flops"], bandwidth=target["hbm_bandwidth"],
-      layers=m["layers"])
+      target=target, layers=m["layers"])
 
 
 def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
@@ -193,9 +191,9 @@ def rollout_estimate(report: dict, lengths_R, slots: int | None = None,
   bytes_C = (price.decode_fixed + price.pool_moves * pool_C
              + trace.steps_C * (price.step_bytes + read_C * price.page_bytes))
   flops_C = price.step_flops * trace.steps_C * trace.slots_C
-  decode_s = np.maximum(flops_C / price.peak_flops, bytes_C / price.bandwidth).sum()
+  decode_s = analysis.bound_s(flops_C, bytes_C, price.target).sum()
   place_C = np.ceil(trace.admitted_C / 16) * (price.place_fixed + price.pool_moves * pool_C)
-  place_s = place_C.sum() / price.bandwidth
+  place_s = place_C.sum() / price.target["hbm_bandwidth"]
   resume_s = price.prefill_token_s * (trace.recomputed_tokens + L * trace.resumed)
   repage_s = price.repage_s * np.count_nonzero(np.diff(trace.pool_pages_C))
   rollout_s = decode_s + place_s + resume_s + repage_s + price.admit_s + price.fixed_s

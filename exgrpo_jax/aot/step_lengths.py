@@ -13,8 +13,9 @@ responses fill fewer rows:
              parts, each packed into micro-batches of `optim.micro_batch_size` rows; the
              compiled `learner_step` scans its M micro-batches and skips the empty ones
              (`learner.accumulate_gradients`). A call with n non-empty micro-batches is
-             priced max(n / M of its FLOPs / peak, its bytes once per call / bandwidth):
-             its parameters, optimizer state and batch are read and written whatever n.
+             priced by the roofline (`analysis.bound_s`) of n / M of its FLOPs and its
+             bytes once per call: its parameters, optimizer state and batch are read and
+             written whatever n.
   recompute  every fresh response is packed at once (`experience.score_rows`) and
              scored `micro_batch_size` rows a call, the last call a power of two: each
              priced like `score` as compiled, its FLOPs in proportion to its rows.
@@ -49,8 +50,8 @@ def _seconds(program: dict, share: float, target: dict) -> float:
   """A compiled program's roofline with `share` of its FLOPs and all its bytes per call
   (`analysis.roofline`'s terms)."""
   from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
-  return max(share * program["flops_per_device"] / target["peak_flops"],
-             analysis.call_bytes(program) / target["hbm_bandwidth"])
+  return float(analysis.bound_s(share * program["flops_per_device"],
+                                analysis.call_bytes(program), target))
 
 
 def micro_batches(lengths_R, prompt_tokens: int, prompt_len: int, response_len: int,
@@ -128,8 +129,8 @@ def rollout_seconds(report: dict, lengths_R) -> float:
   fixed = analysis.call_bytes(generate)
   streamed = (generate["hbm_bytes_per_call"] - fixed) / N
   lengths_R = np.asarray(lengths_R)
-  seconds = sum(max(generate["flops_per_device"] * m / N / target["peak_flops"],
-                    (fixed + m * streamed) / target["hbm_bandwidth"])
+  seconds = sum(float(analysis.bound_s(generate["flops_per_device"] * m / N,
+                                       fixed + m * streamed, target))
                 for m in (lengths_R[i:i + per_call].max()
                           for i in range(0, len(lengths_R), per_call)))
   others = sum(p["roofline_s"] * p["calls_per_step"] for p in report["programs"]

@@ -39,6 +39,7 @@ class Target:
   chips_per_host: tuple = (2, 2, 1)
   wrap: tuple = (False, False, False)
   gpu_spec: str = ""            # GPU: device_description_str of the embedded target spec
+  overlap: bool = True          # compute overlaps memory traffic (analysis.bound_s)
 
 
 def _tpu(topology, devices, kind, hbm_gib, tflops, gbps, **kw) -> Target:
@@ -86,8 +87,9 @@ def this_cpu(peak_flops: float, bandwidth: float, devices: int = 1) -> Target:
   can be set against a measured step (scripts/bench/check_estimate_cpu.py)."""
   import jax  # pylint: disable=g-import-not-at-top
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  # XLA:CPU runs a program's fused ops one after another, each compute- or memory-bound.
   return Target("cpu", "host", devices, jax.devices("cpu")[0].device_kind, memory,
-                peak_flops, bandwidth)
+                peak_flops, bandwidth, overlap=False)
 
 
 def measured_rates(hidden: int, intermediate: int, tokens: int = 1024,

@@ -29,8 +29,20 @@ set against a real run, with this CPU as the target:
 It prints, per phase, the median of measured / estimated seconds over the measured
 steps, and whether the estimate ranks the phases as the measurements do (the JSON
 holds every step). The warm-up steps compile and are left out; the load average is
-recorded, since other work on the machine slows the measurements.
+recorded, since other work on the machine slows the measurements. This CPU does not
+overlap compute with memory traffic (`targets.this_cpu`: a program's floor is the sum
+of its FLOPs' and its bytes' times); `overlapped` prices the same steps as an
+accelerator would (the larger of the two), to show what that rule changes.
+
+  python scripts/bench/check_estimate_cpu.py \
+      --reprice=docs/results/estimate_check_cpu_study_v3.json
+
+prices a written JSON's recorded steps again with the estimator as it is now, from its
+compiled programs' FLOPs and bytes (nothing compiles or runs), and writes it back.
 """
+
+import copy
+import dataclasses
 
 import json
 import os
@@ -54,7 +66,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.
 _STEPS = flags.DEFINE_integer("steps", 6, "Measured steps.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Steps before them (compiles).", lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "Write the JSON here too.")
-flags.mark_flags_as_required(["config"])
+_REPRICE = flags.DEFINE_string("reprice", None, "A JSON this script wrote: price its "
+                               "steps again (nothing runs) and write it back.")
 
 PHASES = {"rollout": "gen", "recompute": "old_logprobs", "learner": "update_actor"}
 
@@ -81,9 +94,88 @@ def _estimate(report: dict, step: dict) -> dict:
               recompute=learner["recompute_s"], learner=learner["learner_s"])
 
 
+def _priced(report: dict, overlap: bool) -> dict:
+  """`report` with its target's `overlap` rule set and every program's roofline and the
+  step estimate priced by it from the programs' FLOPs and bytes (`analysis.bound_s`)."""
+  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  report = copy.deepcopy(report)
+  report["target"]["overlap"] = overlap
+  fields = {f.name for f in dataclasses.fields(analysis.Result)}
+  results = []
+  for p in report["programs"]:
+    p["roofline_s"] = float(analysis.bound_s(p["flops_per_device"], p["hbm_bytes_per_call"],
+                                             report["target"]))
+    results.append(analysis.Result(**{k: v for k, v in p.items() if k in fields}))
+  report["step_estimate"], _ = check.step_estimate(results, [r.name for r in results])
+  return report
+
+
+def _rank(seconds: dict) -> list[str]:
+  return sorted(PHASES, key=lambda p: -seconds[p])
+
+
+def _compared(report: dict, recorded: list) -> dict:
+  """The report priced by this CPU's rule, each recorded step (lengths and `measured_s`)
+  with its estimates by that rule and `overlapped`, and their medians and rankings."""
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  report = _priced(report, targets.this_cpu(1.0, 1.0).overlap)
+  overlapped = _priced(report, True)
+  rows = [step | dict(estimated_s=_estimate(report, step),
+                      overlapped_s=_estimate(overlapped, step)) for step in recorded]
+  result = {}
+  for key, name in (("estimated_s", ""), ("overlapped_s", "overlapped_")):
+    result[f"{name}median_measured_over_estimated"] = {
+        p: float(np.median([r["measured_s"][p] / r[key][p] for r in rows]))
+        if all(r[key][p] > 0 for r in rows) else None for p in PHASES}
+    result[f"{name}ranked_as_measured"] = [_rank(r["measured_s"]) == _rank(r[key])
+                                           for r in rows]
+    result[f"{name}estimated_ranking"] = _rank({p: np.median([r[key][p] for r in rows])
+                                                for p in PHASES})
+  result["measured_ranking"] = _rank({p: np.median([r["measured_s"][p] for r in rows])
+                                      for p in PHASES})
+  return result | dict(report=report, steps=rows)
+
+
+def _write(result: dict, path: str | None) -> None:
+  text = json.dumps(result, indent=1)
+  print(text)
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+
+
+def reprice(path: str, out: str | None) -> None:
+  """`--reprice`: the JSON at `path` with its steps priced again, written to `out`."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      old = json.load(f)
+  except (OSError, ValueError) as e:
+    raise cli.UsageError(f"--reprice={path}: {cli.one_line(e)}") from None
+  missing = [k for k in ("report", "steps") if not isinstance(old, dict) or k not in old]
+  if missing:
+    raise cli.UsageError(f"--reprice={path}: not a JSON this script wrote (no "
+                         f"{' or '.join(missing)})")
+  recorded = [{k: v for k, v in r.items() if k not in ("estimated_s", "overlapped_s")}
+              for r in old["steps"]]
+  keep = ("command", "load_average", "date", "cpu", "warmup_steps", "measured_steps")
+  repriced = dict(repriced="python scripts/bench/check_estimate_cpu.py "
+                  + " ".join(sys.argv[1:]), repriced_date=time.strftime("%Y-%m-%d"))
+  _write({k: old[k] for k in keep if k in old} | repriced
+         | _compared(old["report"], recorded), out or path)
+
+
 def main(argv):
   del argv
+  sys.exit(cli.guarded(_main, prefix="check_estimate_cpu"))
+
+
+def _main():
   logging.set_verbosity(logging.WARNING)
+  if _REPRICE.value:
+    return reprice(_REPRICE.value, _OUT.value)
+  if _CONFIG.value is None:
+    raise cli.UsageError("--config: a training config file is needed (or --reprice)")
   from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
@@ -121,16 +213,9 @@ def main(argv):
   report = check.run(config, "cpu", target=target, progress=lambda _: None)
   if not report["ok"]:
     raise RuntimeError(report["first_failure"])
-  rows = []
-  for step, seconds in list(zip(steps, measured))[_WARMUP.value:]:
-    estimate = _estimate(report, step)
-    rows.append(dict(step | dict(measured_s=seconds, estimated_s=estimate)))
-  ratios = {p: float(np.median([r["measured_s"][p] / r["estimated_s"][p] for r in rows
-                                if r["estimated_s"][p] > 0])) if any(
-                                    r["estimated_s"][p] > 0 for r in rows) else None
-            for p in PHASES}
-  rank = lambda d: sorted(PHASES, key=lambda p: -d[p])
-  result = dict(
+  recorded = [step | dict(measured_s=seconds)
+              for step, seconds in list(zip(steps, measured))[_WARMUP.value:]]
+  _write(dict(
       command="python scripts/bench/check_estimate_cpu.py " + " ".join(sys.argv[1:]),
       load_average=dict(before=load_before, after=os.getloadavg()),
       date=time.strftime("%Y-%m-%d"),
@@ -138,20 +223,8 @@ def main(argv):
                matmul_gflops_per_s=peak / 1e9, bandwidth_gb_per_s=bandwidth / 1e9,
                measured_gflops_per_s=[round(r[0] / 1e9, 1) for r in rates],
                measured_gb_per_s=[round(r[1] / 1e9, 1) for r in rates]),
-      warmup_steps=_WARMUP.value, measured_steps=len(rows),
-      median_measured_over_estimated=ratios,
-      ranked_as_measured=[rank(r["measured_s"]) == rank(r["estimated_s"]) for r in rows],
-      measured_ranking=rank({p: np.median([r["measured_s"][p] for r in rows])
-                             for p in PHASES}),
-      estimated_ranking=rank({p: np.median([r["estimated_s"][p] for r in rows])
-                              for p in PHASES}),
-      report=report,
-      steps=rows)
-  text = json.dumps(result, indent=1)
-  print(text)
-  if _OUT.value:
-    with open(_OUT.value, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
+      warmup_steps=_WARMUP.value, measured_steps=len(recorded))
+         | _compared(report, recorded), _OUT.value)
 
 
 if __name__ == "__main__":

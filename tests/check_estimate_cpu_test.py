@@ -1,0 +1,51 @@
+"""scripts/bench/check_estimate_cpu.py --reprice: the committed CPU checks are what the
+estimator gives today from their own compiled programs and recorded steps."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import conftest
+
+SCRIPT = os.path.join(conftest.REPO_ROOT, "scripts", "bench", "check_estimate_cpu.py")
+CHECKS = sorted(glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "results",
+                                       "estimate_check_cpu_*.json")))
+
+
+def _reprice(path, out):
+  return subprocess.run([sys.executable, SCRIPT, f"--reprice={path}", f"--out={out}"],
+                        cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(),
+                        capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.parametrize("path", CHECKS, ids=os.path.basename)
+def test_the_committed_checks_are_priced_as_the_estimator_prices_today(path, tmp_path):
+  done = _reprice(path, tmp_path / "again.json")
+  assert done.returncode == 0, done.stderr
+  with open(path, encoding="utf-8") as f:
+    committed = json.load(f)
+  with open(tmp_path / "again.json", encoding="utf-8") as f:
+    again = json.load(f)
+  for key in ("repriced", "repriced_date"):
+    committed.pop(key), again.pop(key)
+  assert again == committed
+  # The CPU's own rule (compute and memory times added) ranks the phases as measured.
+  assert committed["report"]["target"]["overlap"] is False
+  assert committed["estimated_ranking"] == committed["measured_ranking"]
+  for step in committed["steps"]:
+    for phase, seconds in step["estimated_s"].items():
+      assert seconds >= step["overlapped_s"][phase]
+
+
+def test_a_file_it_did_not_write_is_one_line(tmp_path):
+  (tmp_path / "other.json").write_text("{}")
+  done = _reprice(tmp_path / "other.json", tmp_path / "out.json")
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines() == [
+      f"check_estimate_cpu: --reprice={tmp_path}/other.json: not a JSON this script wrote "
+      "(no report or steps)"]
+  assert not (tmp_path / "out.json").exists()
