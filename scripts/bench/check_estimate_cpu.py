@@ -1,5 +1,7 @@
 r"""How far the step estimate sits from measured steps, on this CPU (JSON).
 
+Shown in docs/aot.md ("How far to trust an estimate").
+
   python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py \
       --config.algo.old_logp_source=recompute \
       --out=docs/results/estimate_check_cpu_study_v3.json
