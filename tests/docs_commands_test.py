@@ -174,6 +174,10 @@ COMMANDS = [
     Command("python -m exgrpo_jax.convert --src runs/qwen7b --dst out/",
             skip="needs the qwen7b run (GPUs); README's convert command runs the same on the "
             "quick start's run"),
+    Command("python scripts/bench/calibrate_arithmetic.py --questions 32 --samples 2 "
+            "--max-new-tokens 48 --temperatures 0.7,1",
+            run="{python} scripts/bench/calibrate_arithmetic.py --questions 1 --samples 1 "
+            "--max-new-tokens 4 --temperatures 0", expect=r'"accuracy"', slow=True),
     # docs/multihost.md
     Command("python -m exgrpo_jax.convert",
             skip="names the tool; README's convert command runs it"),
@@ -218,6 +222,9 @@ COMMANDS = [
     Command("python scripts/bench/bench_attention_memory.py",
             run="{python} scripts/bench/bench_attention_memory.py --lengths 256 --layers 1 "
             "--attention blockwise", expect=r'"temp_gib"', slow=True),
+    Command("python scripts/bench/bench_attention.py",
+            run="{python} scripts/bench/bench_attention.py --lengths 64 --prompt 8 "
+            "--new_tokens 8 --repeats 1", expect=r'"ratio_to_xla"'),
     # docs/accelerator_check.md
     Command(".aot/gpu/bin/python scripts/accelerator/accelerator_speed.py --predict h100x1",
             skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
@@ -266,6 +273,10 @@ COMMANDS = [
             "test_compare_sets_the_h200_learner_cases_against_the_aot_predictions"),
     # docs/algorithm.md
     Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
+    Command("python scripts/bench/bench_packing.py",
+            run="{python} scripts/bench/bench_packing.py --responses 4 --micro-batch 2 "
+            "--max-new-tokens 16 --hidden 32 --layers 1 --vocab 256 --repeats 1",
+            expect=r'"packed_over_padded"'),
     # docs/one_accelerator.md
     Command("pip install -e \".[test]\"", skip=INSTALL),
     Command("python scripts/accelerator/accelerator_check.py --out accelerator_check.json",

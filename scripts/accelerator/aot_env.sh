@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The environments `python -m exgrpo_jax.aot` compiles in, under .aot/ (git-ignored):
+# The environments `python -m exgrpo_jax.aot` compiles in, under .aot/ (git-ignored); a
+# setup tool that writes no published result (docs/aot.md, "Your own config", runs it):
 #
 #   bash scripts/accelerator/aot_env.sh [tpu|gpu|all]     (default: all)
 #

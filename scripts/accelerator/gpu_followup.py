@@ -1,8 +1,13 @@
-r"""What a lent GPU should measure next (the GPU issue), in one command that a rerun finishes.
+r"""What a GPU should measure next, in one command that a rerun finishes.
 
-  python scripts/accelerator/gpu_followup.py --out $OUT/followup.json [--parts decode,study] \
-      [--budget decode=170,study=330] [--jobs 6] [--workdir /tmp/gpu_followup]
-  python scripts/accelerator/gpu_followup.py --smoke --out /tmp/followup.json     # CPU, tiny, 1 step
+How to run it: docs/one_accelerator.md (your own GPU) and docs/accelerator_check.md
+(the workplace's); its study is the GPU replicate docs/results.md names, reported by
+`python -m exgrpo_jax.study report`. It has no published result yet.
+
+  python scripts/accelerator/gpu_followup.py --out $OUT/followup.json \
+      [--parts decode,study] [--budget decode=170,study=330] [--jobs 6] \
+      [--workdir /tmp/gpu_followup]
+  python scripts/accelerator/gpu_followup.py --smoke --out /tmp/followup.json  # CPU, 1 step
 
 decode  the JAX engine's bfloat16 tokens/s (EOS ignored, 128 new tokens) and decode-only
         rate for SmolLM2-135M-Instruct and the Qwen2.5-1.5B shape at batch 1, 8, 64 and

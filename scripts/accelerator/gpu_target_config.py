@@ -1,5 +1,8 @@
 """Capture this GPU's target config, the spec XLA:GPU compiles against, for the AOT check.
 
+Its output is committed under exgrpo_jax/aot/gpu_specs/ and used by the GPU targets of
+docs/aot.md; docs/accelerator_results.md says where the H200's came from.
+
   python scripts/accelerator/gpu_target_config.py --out gpu_target_config.pbtxt   # on the GPU
 
 XLA writes the GpuTargetConfigProto it compiled with (device description, cuDNN and CUDA

@@ -1,5 +1,7 @@
 r"""JAX / vLLM split of each GPU of a node for the paper configs with rollout.engine=vllm (JSON).
 
+Shown in docs/vllm.md (the memory split for 8 H100s).
+
   python scripts/accelerator/vllm_memory_plan.py [--target=h100x8]
 
 With vLLM rollouts JAX no longer samples: per GPU it needs its learner peak in the

@@ -1,7 +1,9 @@
 """The vLLM engine against the JAX engine and the float32 learner, as JSON figures.
 
-  python scripts/accelerator/vllm_parity.py                        # vLLM in float32
-  python scripts/accelerator/vllm_parity.py --dtype bfloat16       # vLLM in bfloat16, learner float32
+Shown in docs/vllm.md (docs/results/vllm_parity_{float32,bfloat16}.json).
+
+  python scripts/accelerator/vllm_parity.py                   # vLLM in float32
+  python scripts/accelerator/vllm_parity.py --dtype bfloat16  # vLLM in bfloat16, learner float32
 
 On the embedded SmolLM2-135M-Instruct (or --model), float32 parameters, chat prompts of
 the arithmetic task's held-out questions, one vLLM engine in this process (vLLM's CPU build or

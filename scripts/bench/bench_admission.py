@@ -1,6 +1,8 @@
 r"""One KV budget, two ways to spend it: slots sized for rows at their longest, or
 admission by free pages with preemption (`rollout.kv_pages`), side by side (JSON).
 
+Shown in docs/sampler_performance.md ("A pool smaller than every row at its longest").
+
   python scripts/bench/bench_admission.py [--rows 256] [--new-tokens 512] [--budget-rows 64]
       [--slots 256] [--repeats 2] [--model PATH]
 

@@ -1,5 +1,7 @@
 r"""CPU time of the attention implementations, as ratios to `xla` in one process (JSON).
 
+Shown in docs/aot.md ("Two facts behind the figures"; docs/results/bench_attention_cpu.json).
+
   python scripts/bench/bench_attention.py [--lengths=512,1024,2048,4096] [--repeats=5]
 
 For each S: forward + backward (d/d params of a scalar of the final hidden states) of a

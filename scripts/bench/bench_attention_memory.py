@@ -1,5 +1,7 @@
 r"""XLA's memory analysis of the learner step at Qwen2.5-7B layer shapes, per attention.
 
+Shown in docs/aot.md ("Two facts behind the figures").
+
   python scripts/bench/bench_attention_memory.py [--lengths=2304,4608,9216] \
       [--attention=xla,blockwise] [--layers=2]
 

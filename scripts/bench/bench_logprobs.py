@@ -1,5 +1,8 @@
 """Memory (and CPU time) of chunked vs naive log-prob/entropy computation; prints JSON.
 
+A developer tool: it writes no published result (tests/logprobs_test.py leaves the
+bfloat16 backward pass to it).
+
 Memory comes from XLA's compiled memory analysis (compile only, nothing is allocated), at
 Qwen2.5-Math-7B's unembedding shape by default: B=2, T=4096, D=3584, V=152,064. "temp" is
 the working memory XLA allocates beyond the arguments (hidden states, unembedding) and the

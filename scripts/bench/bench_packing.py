@@ -1,5 +1,7 @@
 r"""Packed vs padded learner step (and scoring pass) time, as ratios in one process.
 
+Shown in docs/algorithm.md §12 (docs/results/bench_packing_cpu_*.json).
+
   python scripts/bench/bench_packing.py \
       [--lengths=docs/results/smollm2_gsm8k_rollout_lengths.json] [--responses=32] \
       [--micro-batch=4] [--max-new-tokens=512] [--repeats=5]

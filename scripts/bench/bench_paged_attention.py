@@ -1,5 +1,7 @@
 """Decode attention alone: the dense [B, S] cache against the page pool, at equal tokens.
 
+Shown in docs/sampler_performance.md ("How much is the form of attention").
+
 Separates the two things continuous batching's paged cache changes: how many cached
 slots a step reads (fewer: rows read only their own pages), and how fast one slot is
 read (the attention's form: B matmuls over S slots, or P over pages of T). Times the

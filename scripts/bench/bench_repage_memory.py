@@ -1,5 +1,7 @@
 """Device memory of a page-pool resize (`slots.repage`) against the static loop's KV cache.
 
+Shown in docs/sampler_performance.md ("Continuous batching").
+
   python scripts/bench/bench_repage_memory.py [--layers 4] [--rows 8] [--new-tokens 1024]
 
 Runs one continuous rollout of a small random model (EOS ignored, so the pool grows to

@@ -1,5 +1,7 @@
 """Replay-buffer benchmark at the paper's scale; prints JSON.
 
+A developer tool: it writes no published result.
+
 Fills an ExperienceBuffer with `--trajectories` correct responses of `--length` tokens
 (vocabulary `--vocab`) through ordinary `update` calls of 128 questions x 8 responses with
 1..7 correct each, then reports:

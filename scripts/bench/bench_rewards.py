@@ -1,5 +1,7 @@
 """Verification throughput of the reward pool on the 500 MATH-500 ground truths.
 
+A developer tool: it writes no published result.
+
   python scripts/bench/bench_rewards.py [--workers 1,2] [--runs 3]
 
 Two workloads, each response graded against its ground truth with Math-Verify:

@@ -1,5 +1,8 @@
 """Rollout throughput: the JAX sampler against vLLM and transformers `generate`.
 
+Shown in docs/sampler_performance.md; on a GPU, its functions measure the sampler part of
+docs/accelerator_results.md.
+
   python scripts/bench/bench_sampler.py                    # embedded SmolLM2, batch 1, 8, 64
   python scripts/bench/bench_sampler.py --vllm --skip-transformers --new-tokens 64 --repeats 5
   python scripts/bench/bench_sampler.py --vllm --vllm-dtype bfloat16 --skip-transformers

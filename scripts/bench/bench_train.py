@@ -1,5 +1,7 @@
 r"""Training-step time of ExGRPO vs on-policy Dr.GRPO on one config, side by side (JSON).
 
+Shown in docs/sampler_performance.md ("Trainer step time").
+
   python scripts/bench/bench_train.py --config=configs/smollm2_135m.py --config.algo.delayed_start=0
 
 Builds one trainer per variant (`--variants`, default exgrpo,onpolicy) in fresh temporary

@@ -1,5 +1,7 @@
 r"""Starting accuracy of the embedded SmolLM2 on the arithmetic task, per difficulty (JSON).
 
+Shown in docs/data.md (how hard the generated arithmetic is for the CPU model).
+
   python scripts/bench/calibrate_arithmetic.py --questions 48 --samples 2 --max-new-tokens 48 \
       --temperatures 0,0.7,1 --setting "operations=add,sub;max_operand=9;train_size=150"
 

@@ -1,6 +1,8 @@
 r"""Which pool-size ladder for XLA's attention: decode programs compiled against the pool
 read in vain, from the plans' compiled programs (JSON).
 
+Shown in docs/sampler_performance.md ("Choosing the pool's sizes").
+
   python scripts/bench/pool_ladder.py [--plans 'docs/results/aot_*_h*x8.json'] \
       [--out docs/results/pool_ladder.json]
 

@@ -1,5 +1,9 @@
 r"""Records prompt and response lengths of real SmolLM2 rollouts on GSM8K prompts.
 
+Its record (docs/results/smollm2_gsm8k_rollout_lengths.json) is the `--lengths` input of
+`python -m exgrpo_jax.aot plan --estimate` (docs/aot.md, "Your own config") and of
+bench_packing.py (docs/algorithm.md §12).
+
   python scripts/bench/record_rollout_lengths.py --questions=16 --k=4 --max-new-tokens=512 \
       --out=docs/results/smollm2_gsm8k_rollout_lengths.json
 

@@ -1,5 +1,7 @@
 r"""Runs the fault-injection suite and prints its table (tried / handled or survived).
 
+Shown in docs/reliability.md (the table of faults and bad inputs).
+
   python scripts/plot/fault_table.py          # default-suite cases (library level)
   python scripts/plot/fault_table.py --slow   # plus the process-level kills (minutes)
 

@@ -1,5 +1,8 @@
 r"""Learning curves of a training run as PNGs (the paper's Figure 5 panels and more).
 
+A tool for your own runs (README.md lists it): it writes no published result; the
+study's figures in docs/results.md come from `python -m exgrpo_jax.study`.
+
   python scripts/plot/plot_run.py --workdir runs/smollm2 [--out runs/smollm2/plots]
 
 Reads `<workdir>/metrics.jsonl`; writes reward_and_validation.png, entropy.png,
