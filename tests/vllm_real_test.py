@@ -9,7 +9,10 @@ float32:
 * K samples per prompt with seeds reproduce across calls, with their log-probs equal to
   the learner's teacher-forced log_softmax(logits / T); stop strings and EOS end rows;
 * two JAX processes split the rows between their vLLMs and gather them in order;
-* a trainer step rolls out and evaluates through it.
+* a trainer step rolls out and evaluates through it;
+* after LoRA learner steps on SmolLM2, greedy rows are the learner's with the adapter
+  applied (the engine receives the merged weights through its weight update), not the
+  base model's.
 vLLM starts without torch.compile (`enforce_eager`) to keep start-up at seconds.
 """
 
@@ -25,10 +28,12 @@ import pytest
 from exgrpo_jax import generate
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.models import lora
 from exgrpo_jax.sampling import vllm_console
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
 from tests import conftest
+from tests import lora_test
 from tests import sampler_test
 from tests import sampling_vllm_test
 from tests import vllm_stand_in
@@ -209,6 +214,24 @@ def test_stop_strings_and_eos_end_rows_as_in_the_jax_engine(smollm2):
   eos = int(tokenizer.eos_token_id)
   ended = [i for i, n in enumerate(actual.lengths_N) if actual.tokens_NxT[i, n - 1] == eos]
   assert ended and not actual.truncated_N[ended].any()
+
+
+def test_rollouts_after_lora_steps_sample_the_current_adapter(smollm2):
+  """At step 0 (B zero) the LoRA policy's rows are the base model's; after learner steps
+  that train the adapters alone (the base arrays the engine already holds stay the same
+  objects), greedy tokens are the learner's argmax with the adapter applied and their
+  log-probs the learner's, which differ from the base model's."""
+  policy, _, prompts, engines = smollm2
+  cfg, key = policy.config, jax.random.key(0)
+  start = lora.LoraParams(policy.params, lora.init_adapters(
+      cfg, lora_test.RANK, lora.TARGETS, jax.random.key(1)), lora_test.ALPHA / lora_test.RANK)
+  base_rows = engines["jax"].generate(prompts, 1, policy.params, key, GREEDY)
+  assert_same_rows(base_rows, engines["vllm"].generate(prompts, 1, start, key, GREEDY))
+  trained, _ = lora_test.train(start, 2, cfg=cfg)
+  out = engines["vllm"].generate(prompts, 1, trained, key, GREEDY)
+  # vLLM's kernels against the learner's forward: the sampled test's tolerance above.
+  lora_test.check_rows_follow_the_adapter(out, prompts, trained, cfg, atol=2e-4)
+  assert (out.tokens_NxT != base_rows.tokens_NxT).any()
 
 
 def test_a_second_engine_in_the_process_or_an_unsupported_model_is_refused(smollm2):
