@@ -217,18 +217,29 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def lora_on_small_hardware(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A paper config as a LoRA run for one GPU or a v5e-8 (docs/lora.md): the base frozen
-  in bfloat16 (`model.param_dtype`, the compute dtype), rank-16 adapters (alpha 16) on
-  every attention and MLP projection at 10 times the full fine-tuning learning rate; the
-  mesh, rollout slots and KV pool left for the planner (`python -m exgrpo_jax.aot plan`)."""
+def lora_on_small_hardware(paper_config, planned: dict,
+                           arg: str | None) -> ml_collections.ConfigDict:
+  """A paper config (`paper_config(variant)`) as a LoRA run for one GPU or a v5e-8
+  (docs/lora.md): the base frozen in bfloat16 (`model.param_dtype`, the compute dtype),
+  rank-16 adapters (alpha 16) on every attention and MLP projection at 10 times the full
+  fine-tuning learning rate. `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a device of
+  `planned` sets the mesh, micro-batch, rollout slots and KV pool the planner chose for
+  it; without one they are left for `python -m exgrpo_jax.aot plan`."""
+  parts = arg.split(",") if arg else []
+  device = next((p for p in parts if p in planned), None)
+  variants = [p for p in parts if p != device]
+  if len(variants) > 1:
+    raise ValueError(f"{arg!r}: one device of {', '.join(planned)} and one variant at most")
+  c = paper_config(variants[0] if variants else None)
   c.model.param_dtype = "bfloat16"
   c.model.lora.rank = 16
   c.model.lora.alpha = 16.0
   c.optim.lr = 1e-5  # 10 x the paper's 1e-6
-  c.mesh.shape = (-1, 1)
-  c.rollout.max_rows = 0
-  c.rollout.kv_pages = 0
+  chosen = planned.get(device, dict(mesh_shape=(-1, 1), max_rows=0, kv_pages=0))
+  c.mesh.shape = chosen["mesh_shape"]
+  c.optim.micro_batch_size = chosen.get("micro_batch_size", c.optim.micro_batch_size)
+  c.rollout.max_rows = chosen["max_rows"]
+  c.rollout.kv_pages = chosen["kv_pages"]
   return c
 
 

@@ -65,6 +65,33 @@ def test_paper_configs_take_the_compilers_plan_for_8_h100s(name):
   assert c.rollout.kv_pages == plan["chosen"].get("kv_pages", 0)
 
 
+@pytest.mark.parametrize("name", ["qwen7b_lora", "llama8b_lora"])
+def test_lora_configs_take_the_planners_choice_for_each_small_device(name):
+  """`configs/<name>.py:DEVICE` has the mesh, micro-batch, rollout slots and KV pool of
+  docs/results/aot_<name>_<DEVICE>.json, for every such plan that fits."""
+  module = importlib.import_module(f"configs.{name}")
+  plans = {}
+  for path in glob.glob(os.path.join(os.path.dirname(CONFIG_DIR), "docs", "results",
+                                     f"aot_{name}_*.json")):
+    with open(path, encoding="utf-8") as f:
+      plan = json.load(f)
+    if plan["fits"]:
+      plans[os.path.basename(path)[len(f"aot_{name}_"):-len(".json")]] = plan["chosen"]
+  assert set(module.PLANNED) == set(plans)
+  for device, chosen in plans.items():
+    for arg in (device, f"{device},onpolicy"):
+      c = module.get_config(arg)
+      assert f"--config.mesh.shape='{c.mesh.shape}'" in chosen["flags"]
+      assert c.optim.micro_batch_size == chosen["micro_batch_size"]
+      assert (c.rollout.max_rows, c.rollout.kv_pages) == (chosen["max_rows"],
+                                                          chosen.get("kv_pages", 0))
+      assert c.model.lora.rank == 16 and c.model.param_dtype == "bfloat16"
+    assert module.get_config(f"{device},onpolicy").algo.rho == 0
+  assert module.get_config().rollout.max_rows == 0  # left for the planner
+  with pytest.raises(ValueError, match="one device of"):
+    module.get_config("onpolicy,rho75")
+
+
 def test_unknown_variant_is_an_error():
   with pytest.raises(ValueError, match="unknown variant 'nope'"):
     importlib.import_module("configs.tiny").get_config("nope")
