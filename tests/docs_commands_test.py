@@ -300,6 +300,9 @@ COMMANDS = [
     Command("python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/lora "
             "--config.model.lora.rank=4", covered="tests/lora_test.py::"
             "test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line"),
+    Command("python scripts/bench/bench_lora.py --out=docs/results/bench_lora.json",
+            covered="tests/bench_lora_test.py::"
+            "test_lora_trains_and_stores_a_small_fraction_of_full_fine_tuning"),
     # docs/reliability.md
     Command("python scripts/plot/fault_table.py --slow",
             run="{python} scripts/plot/fault_table.py", expect=r"\| kind \| case \|", slow=True),
