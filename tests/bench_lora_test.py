@@ -49,8 +49,7 @@ def test_the_json_names_machine_date_config_shapes_and_command(result):
   assert result["machine"]["processor"] and result["machine"]["uname"]
   assert result["date_utc"].endswith("Z")
   assert result["config"] == "configs/tiny.py"
-  assert result["command"] == " ".join(["python", SCRIPT, *SMALL]) + " " + next(
-      f for f in result["command"].split() if f.startswith("--out="))
+  assert result["command"].startswith(" ".join(["python", SCRIPT, *SMALL, "--out="]))
   assert "compile excluded" in result["timing"]
   shapes = result["shapes"]
   assert (shapes["rollout_rows"], shapes["max_new_tokens"], shapes["micro_batches"]) == (4, 8, 1)
