@@ -68,7 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
       matmul_precision="auto",
       # Low-rank adapters (docs/lora.md): rank 0 = off, full fine-tuning. The update is
       # (alpha / rank) x A @ B on each target projection; base_quant: none (frozen base
-      # in model.param_dtype) | int8 | nf4 (QLoRA, not available yet).
+      # in model.param_dtype) | int8 | nf4 (QLoRA: the layer projections quantized).
       lora=ml_collections.ConfigDict(dict(lora.DEFAULTS, targets=list(lora.TARGETS))),
   ))
 

@@ -293,3 +293,38 @@ def test_a_lora_step_compiles_the_adapters_and_their_state_beside_the_frozen_bas
   full_result = check.compile_program(full[0], {}, mesh, HOST)
   assert result.output_bytes < full_result.output_bytes  # adapters and state only
   assert not check.compile_program(score, {}, mesh, HOST).error
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_a_qlora_step_takes_the_quantized_base_and_dequantizes_it_layer_by_layer(kind):
+  """With `model.lora.base_quant` the step's frozen base is the quantized one a run
+  holds (the projections as qwix arrays) and the step compiles with fewer argument
+  bytes than over the unquantized base; no stacked projection exists at full precision
+  in it (each layer's weights are dequantized inside the scan over layers), where the
+  unquantized step has each as an argument. The rollout copy (dequantized, merged)
+  compiles."""
+  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.models import lora
+  from exgrpo_jax.models import quant
+  c = small_config()
+  c.model.lora.update(rank=4, base_quant=kind)
+  mesh = sharding.make_mesh(c.mesh, jax.devices()[:1])
+  programs = {p.name: p for p in programs_lib.training_step(c, CFG, mesh)}
+  step = programs["learner_step"]
+  base = step.args({})[3].base
+  assert _shapes(base) == _shapes(lora.quantize_base(models.init_params(CFG, jax.random.key(0)),
+                                                     kind))
+  assert any(quant.is_quantized(x) for x in jax.tree.leaves(base, is_leaf=quant.is_quantized))
+  plain = c.copy_and_resolve_references()
+  plain.model.lora.base_quant = "none"
+  plain_step = programs_lib.learner_programs(plain, CFG, mesh)[0][0]
+  weights = [f"f32[{','.join(map(str, w.shape))}]" for module in ("attn", "mlp")
+             for w in models.abstract_params(CFG)["layers"][module].values() if w.ndim > 2]
+  traced = lambda p: str(p.fn.trace(*p.args({}), **p.kwargs).jaxpr)
+  assert all(w in traced(plain_step) for w in weights)
+  assert not [w for w in weights if w in traced(step)]
+  result = check.compile_program(step, {}, mesh, HOST)
+  assert not result.error, result.error
+  assert result.argument_bytes < check.compile_program(plain_step, {}, mesh,
+                                                       HOST).argument_bytes
+  assert not check.compile_program(programs["rollout_copy"], {}, mesh, HOST).error

@@ -135,10 +135,18 @@ def attend(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxTxS, cache_kv):
 
 
 def _param(module, name, init, shape, axes, dtype):
-  # A QLoRA base's quantized weight (`models.quant`) is dequantized here, where the
-  # layer reads it: inside the scan, one layer's weights at a time.
-  return quant.dequantize(
-      module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype))
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _matmul(equation: str, x, w, dtype):
+  """The einsum of `x` and weight `w` in `dtype`. A quantized weight (a QLoRA base's,
+  `models.quant`) is dequantized here, inside its layer, and dequantized again in the
+  backward pass rather than kept: kept, every layer's dequantized weights would stack
+  up as the scan's residuals, a full-precision copy of the whole base."""
+  if not quant.is_quantized(w):
+    return jnp.einsum(equation, x, w.astype(dtype))
+  return jax.checkpoint(
+      lambda x, w: jnp.einsum(equation, x, quant.dequantize(w).astype(dtype)))(x, w)
 
 
 def _with_lora(module, name, y, x, contract: str, dtype):
@@ -182,7 +190,7 @@ class Attention(nn.Module):
 
     def project(name, n_heads, head_axis):
       w = _param(self, name, init, (D, n_heads, Dh), ("embed", head_axis, "head_dim"), pdt)
-      y = _with_lora(self, name, jnp.einsum("btd,dnh->btnh", x_BxTxD, w.astype(dt)),
+      y = _with_lora(self, name, _matmul("btd,dnh->btnh", x_BxTxD, w, dt),
                      x_BxTxD, "btd,dr->btr", dt)
       if cfg.attention_bias:
         b = _param(self, name + "_bias", nn.initializers.zeros, (n_heads, Dh),
@@ -201,7 +209,7 @@ class Attention(nn.Module):
     new_kv = None if cache_kv is None else (k_BxKxDhxS, v_BxKxSxDh)
     w_o = _param(self, "o_proj", init, (H, Dh, D), ("heads", "head_dim", "embed"), pdt)
     out_BxTxD = _with_lora(self, "o_proj",
-                           jnp.einsum("bthd,hde->bte", out_BxTxHxDh, w_o.astype(dt)),
+                           _matmul("bthd,hde->bte", out_BxTxHxDh, w_o, dt),
                            out_BxTxHxDh, "bthd,hdr->btr", dt)
     return out_BxTxD, new_kv
 
@@ -220,7 +228,7 @@ class MLP(nn.Module):
     up = _param(self, "up_proj", init, (D, F), ("embed", "mlp"), pdt)
     down = _param(self, "down_proj", init, (F, D), ("mlp", "embed"), pdt)
     proj = lambda name, w, x, matmul, contract: _with_lora(
-        self, name, jnp.einsum(matmul, x, w.astype(dt)), x, contract, dt)
+        self, name, _matmul(matmul, x, w, dt), x, contract, dt)
     h_BxTxF = (nn.silu(proj("gate_proj", gate, x_BxTxD, "btd,df->btf", "btd,dr->btr"))
                * proj("up_proj", up, x_BxTxD, "btd,df->btf", "btd,dr->btr"))
     return proj("down_proj", down, h_BxTxF, "btf,fd->btd", "btf,fr->btr")
