@@ -4,8 +4,12 @@ unquantized base; a learner step leaves its bytes alone; every sampler receives 
 current adapter merged onto the dequantized base.
 """
 
-import ml_collections
+import json
+import subprocess
+import sys
+
 import jax
+import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,8 +20,11 @@ from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.models import lora
 from exgrpo_jax.models import quant
+from exgrpo_jax.training import actor
 from exgrpo_jax.training import config_check
+from exgrpo_jax.training import learner
 from exgrpo_jax.training import lora_run
+from tests import conftest
 from tests import lora_test
 
 # Wide enough that nf4 has several 64-element blocks along an input axis (q_proj's
@@ -203,3 +210,66 @@ def test_quantized_bases_pass_the_config_check_and_refuse_another_on_resume(kind
   assert str(e.value).startswith(f"config.model.lora.base_quant='{kind}': the checkpoint "
                                  "being resumed was trained with 'none'")
   assert len(str(e.value).splitlines()) == 1
+
+
+def _sharded_child(outdir: str) -> None:
+  """In a 4-device process: a learner step and the merge over an nf4 base placed on a
+  2 x 2 fsdp x tensor mesh by its own shardings, and the same on one device."""
+  assert jax.device_count() == 4, jax.devices()
+  config = tiny.get_config()
+  config.model.lora.update(rank=lora_test.RANK, base_quant="nf4")
+  mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(shape=(2, 2),
+                                                           axes=("fsdp", "tensor"))))
+  params, fresh = _qlora_params("nf4", QCFG), _qlora_params("nf4", QCFG)
+  # Placed from arrays of their own: a replicated placement may share the one-device
+  # buffers, which the one-device step donates.
+  placed = fresh.replace(
+      base=jax.device_put(fresh.base, lora_run.base_shardings(config, QCFG, mesh)),
+      adapters=jax.device_put(fresh.adapters, lora.adapter_shardings(
+          QCFG, lora_test.RANK, lora.TARGETS, mesh)))
+  codes = {f"{m}/{n}": (w.qvalue.sharding.is_fully_replicated,
+                        w.qvalue.addressable_shards[0].data.size < w.qvalue.size)
+           for (m, n), w in _projections(placed.base).items()}
+  single = lora_test.train(params, 1, cfg=QCFG)[0]
+  # As `lora_test.train`, with the optimizer state created on the adapters' shardings.
+  tx = learner.make_optimizer(lora_test._config().optim)
+  opt_shardings = sharding.optimizer_shardings(
+      tx, lora.abstract_adapters(QCFG, lora_test.RANK, lora.TARGETS),
+      sharding.shardings_of(placed.adapters))
+  sharded, _, metrics = actor.Actor(lora_test._config(), QCFG, pad_id=0).update(
+      placed, sharding.init_optimizer(tx, placed.adapters, opt_shardings),
+      lora_test._groups(seed=0), True, np.random.default_rng(0))
+  assert metrics["skipped"] == 0
+  base_kept = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+      jax.tree.leaves(sharded.base), jax.tree.leaves(params.base)))
+  with open(f"{outdir}/summary.json", "w") as f:
+    json.dump(dict(codes=codes, base_kept=base_kept), f)
+  np.savez(f"{outdir}/single.npz", *map(np.asarray, jax.tree.leaves(
+      (single.adapters, lora.merged(single)))))
+  np.savez(f"{outdir}/sharded.npz", *map(np.asarray, jax.tree.leaves(
+      (sharded.adapters, lora.merged(sharded)))))
+
+
+def test_a_step_and_the_merge_on_an_fsdp_tensor_mesh_match_one_device(tmp_path):
+  """On 4 CPU devices (fsdp 2 x tensor 2) every quantized projection's codes are split,
+  not replicated; a learner step keeps the base's bytes and gives one device's adapters,
+  and the merged weights match one device's."""
+  env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
+                                XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                                **conftest.FAST_COMPILE)
+  proc = subprocess.run(
+      [sys.executable, "-c",
+       f"from tests import qlora_test; qlora_test._sharded_child({str(tmp_path)!r})"],
+      cwd=lora_test.REPO, env=env, capture_output=True, text=True, timeout=600,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  with open(tmp_path / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["base_kept"]
+  assert all(not replicated and split for replicated, split in summary["codes"].values()), (
+      summary["codes"])
+  single, sharded = (list(np.load(tmp_path / f"{n}.npz").values())
+                     for n in ("single", "sharded"))
+  assert len(single) == len(sharded)
+  for a, b in zip(sharded, single):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
