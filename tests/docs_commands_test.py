@@ -300,6 +300,15 @@ COMMANDS = [
     Command("python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/lora "
             "--config.model.lora.rank=4", covered="tests/lora_test.py::"
             "test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line"),
+    Command("python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/qlora "
+            "--config.model.lora.rank=4 --config.model.lora.base_quant=nf4",
+            run="{python} -m exgrpo_jax.train --config=configs/tiny.py --workdir={tmp}/qlora "
+            "--config.model.lora.rank=4 --config.model.lora.base_quant=nf4 "
+            "--config.train.steps=1",
+            expect=r"step 1/1"),
+    Command("python -m exgrpo_jax.aot --config=configs/smollm2_135m.py --target=v5e-8 "
+            "--layers=2 --config.model.lora.rank=4 --config.model.lora.base_quant=nf4",
+            covered=AOT_CLI),
     Command("python scripts/bench/bench_lora.py --out=docs/results/bench_lora.json",
             covered="tests/bench_lora_test.py::"
             "test_lora_trains_and_stores_a_small_fraction_of_full_fine_tuning"),
