@@ -14,7 +14,9 @@ Without one they are left for `python -m exgrpo_jax.aot plan` on your device.
 from configs import common
 from configs import llama8b
 
-PLANNED = {}
+PLANNED = {
+    "h200x1": dict(mesh_shape=(1, 1), micro_batch_size=8, max_rows=320, kv_pages=11948),
+}
 
 
 def get_config(arg=None):
