@@ -149,6 +149,31 @@ def test_admission_takes_the_pages_that_fit_and_the_slots_that_cost_least_over_t
           < lengths.rollout_estimate(reserved, mid)["rollout_s"])
 
 
+class _SmallPlanner(_PoolPlanner):
+  """`_PoolPlanner` whose compiles are whole reports (`reserved`'s shapes), a pool of 0
+  pages being every slot's row at its longest."""
+
+  def __init__(self, reserved, fits):  # pylint: disable=super-init-not-called
+    shards, page_bytes = lengths.kv_layout(reserved)
+    super().__init__(reserved["programs"][0]["usable_bytes"] / GIB, fits, page_bytes, shards)
+    self.reserved, self.per_row = reserved, lengths.row_pages(reserved)
+
+  def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+    pages = kv_pages or self.per_row * max_rows // self.shards * self.shards
+    return dict(self.reserved, **super().compile(tensor, micro, max_rows, parts, pages))
+
+
+def test_where_64_reserved_rows_do_not_fit_64_slots_take_the_largest_pool_that_does():
+  with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
+    reserved = json.load(f)["report"]
+  planner = _SmallPlanner(reserved, fits=3000)  # about 20 rows' pages of 64 x 144
+  report, pages = planner.bounded(4, 8)
+  assert report["ok"] and planner.search[0] == (64, 64 * 144 // planner.shards * planner.shards)
+  assert 3000 - 2 * planner.shards <= pages <= 3000 and pages % planner.shards == 0
+  assert planner.search[-1] == (64, pages) and len(planner.search) == 2
+  assert _SmallPlanner(reserved, fits=100).bounded(4, 8) is None  # not one row's pages
+
+
 @pytest.mark.parametrize("args, line", [
     (["--render", "{tmp}/notjson.json"],
      "--render {tmp}/notjson.json: not a JSON file (Expecting value: line 1 column 1 "

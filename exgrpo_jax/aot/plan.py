@@ -11,7 +11,10 @@ query heads divide), all layers compiled (`exgrpo_jax.aot`):
             which is then compiled, stepped down by 64 until it fits, and shown to be the
             largest by the next 64 not fitting; the peaks of those two predict the
             largest multiple of the unit between them, compiled and shown the same way.
-Each fitting mesh's whole training step is then compiled with those settings
+Where no mesh fits even STEP slots with their rows reserved at their longest (small
+hardware, long responses), each mesh whose learner fits takes STEP slots over the
+largest pool that fits (`Planner.bounded`; `reserved_rows` 0). Otherwise each fitting
+mesh's whole training step is compiled with those settings
 (`reserved_rows`: every slot's row reserved at its longest), and admission planned
 (`Planner.admission`): the pool's capacity (`rollout.kv_pages`) is what the memory holds
 beside that step's decode, the slots (`rollout.max_rows`) those that cost least at the
@@ -157,13 +160,34 @@ class Planner:
                             ("learner", "rollout"), kv_pages=pages)
       if report["ok"]:
         return report, chosen["slots"], pages
-      over = max((p["device_peak_bytes"] - p["usable_bytes"] if not p["error"]
-                  else (_need(p["error"]) - self.usable) * GIB)
-                 for p in report["programs"])
-      per_shard = pages // shards
-      lower = math.ceil(max(over, 0) / page_bytes) + 1 if math.isfinite(over) else per_shard // 10
-      pages -= lower * shards
+      pages -= self._lacking(report, page_bytes, pages // shards) * shards
     return None
+
+  def _lacking(self, report: dict, page_bytes: float, per_shard: int) -> int:
+    """The pages per batch shard a failed compile's costliest program lacked (a tenth
+    of `per_shard` where its error does not say how much)."""
+    over = max((p["device_peak_bytes"] - p["usable_bytes"] if not p["error"]
+                else (_need(p["error"]) - self.usable) * GIB) for p in report["programs"])
+    return math.ceil(max(over, 0) / page_bytes) + 1 if math.isfinite(over) else per_shard // 10
+
+  def bounded(self, tensor: int, micro: int) -> tuple[dict, int] | None:
+    """Where not even STEP slots fit with every row's pages reserved at its longest:
+    the whole step at STEP slots over the largest pool that fits, the pages lowered from
+    every row's by what the costliest program lacked. (report, pages), or None where
+    not one row's pages fit."""
+    from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+    report = self.compile(tensor, micro, STEP, ("learner", "rollout"))
+    shards, page_bytes = lengths.kv_layout(report)
+    per_row = lengths.row_pages(report)
+    pages = per_row * STEP // shards * shards
+    for _ in range(ADMISSION_TRIES):
+      if report["ok"]:
+        return report, pages
+      pages -= self._lacking(report, page_bytes, pages // shards) * shards
+      if pages < per_row * shards:
+        return None
+      report = self.compile(tensor, micro, STEP, ("learner", "rollout"), kv_pages=pages)
+    return (report, pages) if report["ok"] else None
 
 
 def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, most: int,
@@ -252,19 +276,25 @@ def plan(spec: str, target: str, like: dict | None = None,
     fitting = [dict(tensor=like["chosen"]["tensor"],
                     micro_batch_size=like["chosen"]["micro_batch_size"],
                     max_rows=like["chosen"].get("reserved_rows", like["chosen"]["max_rows"]))]
-  if not fitting:
-    if like:
-      return dict(result, fits=False, verdict=f"{name}, as {like['config']}: {like['verdict']}")
+  if like and not fitting:
+    return dict(result, fits=False, verdict=f"{name}, as {like['config']}: {like['verdict']}")
+  # Another config's admission is taken as it is; a plan's own is planned again.
+  other = like and like["fits"] and not meshes and like["config"] != result["config"]
+  chosen = like["chosen"] if other else {}
+  settled = [_settle(planner, c, base, chosen) for c in fitting]
+  if not fitting:  # STEP slots over a pool smaller than their rows at the longest
+    for c in (c for c in candidates if c["micro_batch_size"]):
+      found = planner.bounded(c["tensor"], c["micro_batch_size"])
+      if found:
+        settled.append((found[0], dict(c, max_rows=STEP, reserved_rows=0,
+                                       kv_pages=found[1])))
+  if not settled:
     least = min((s for s in planner.search if s["first_failure"]),
                 key=lambda s: _need(s["first_failure"]))
     return dict(result, fits=False, verdict=(
         f"{name} does not fit {target} at any mesh or micro-batch; the least: mesh "
         f"{planner.spec.devices // least['tensor']} x {least['tensor']}, micro-batch "
         f"{least['micro_batch_size']}: {least['first_failure']}"))
-  # Another config's admission is taken as it is; a plan's own is planned again.
-  other = like and like["fits"] and not meshes and like["config"] != result["config"]
-  chosen = like["chosen"] if other else {}
-  settled = [_settle(planner, c, base, chosen) for c in fitting]
   mid_s = [_mid_step_s(report, base.rollout.kv_headroom) for report, _ in settled]
   final, best = settled[mid_s.index(min(mid_s))]
   flags = _flags(planner.spec.devices, best, base)
