@@ -202,6 +202,10 @@ COMMANDS = [
             "--out=docs/results/aot_qwen7b_lora_h200x1.json",
             skip="14 minutes of compiles in the AOT environment; its output is "
             "docs/results/aot_qwen7b_lora_h200x1.json, which aot_step_lengths_test reads"),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot "
+            "--config=configs/qwen7b.py --target=h100x1 --config.mesh.shape='(1, 1)' "
+            "--parts=learner", skip="minutes of compiling a 7B learner step in the AOT "
+            "environment; aot_test runs the CLI with --parts on a small config"),
     Command("python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
             "--config.algo.old_logp_source=recompute "
             "--out=docs/results/estimate_check_cpu_study_v3.json",
@@ -309,6 +313,9 @@ COMMANDS = [
     Command("python -m exgrpo_jax.aot --config=configs/smollm2_135m.py --target=v5e-8 "
             "--layers=2 --config.model.lora.rank=4 --config.model.lora.base_quant=nf4",
             covered=AOT_CLI),
+    Command("python -m exgrpo_jax.train --config=configs/qwen7b_lora.py:h200x1 "
+            "--workdir=runs/qwen7b_lora", skip="Qwen2.5-Math-7B's checkpoint and one H200; "
+            "configs_test holds the config to its plan"),
     Command("python scripts/bench/bench_lora.py --out=docs/results/bench_lora.json",
             covered="tests/bench_lora_test.py::"
             "test_lora_trains_and_stores_a_small_fraction_of_full_fine_tuning"),
