@@ -167,7 +167,8 @@ def test_where_64_reserved_rows_do_not_fit_64_slots_take_the_largest_pool_that_d
   with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
     reserved = json.load(f)["report"]
   planner = _SmallPlanner(reserved, fits=3000)  # about 20 rows' pages of 64 x 144
-  report, pages = planner.bounded(4, 8)
+  report, pages, rows = planner.bounded(4, 8)
+  assert rows == pages // 144 < 64
   assert report["ok"] and planner.search[0] == (64, 64 * 144 // planner.shards * planner.shards)
   assert 3000 - 2 * planner.shards <= pages <= 3000 and pages % planner.shards == 0
   assert planner.search[-1] == (64, pages) and len(planner.search) == 2

@@ -13,7 +13,8 @@ query heads divide), all layers compiled (`exgrpo_jax.aot`):
             largest multiple of the unit between them, compiled and shown the same way.
 Where no mesh fits even STEP slots with their rows reserved at their longest (small
 hardware, long responses), each mesh whose learner fits takes STEP slots over the
-largest pool that fits (`Planner.bounded`; `reserved_rows` 0). Otherwise each fitting
+largest pool that fits (`Planner.bounded`; `reserved_rows`: the rows that pool holds at
+their longest, the rollout without admission). Otherwise each fitting
 mesh's whole training step is compiled with those settings
 (`reserved_rows`: every slot's row reserved at its longest), and admission planned
 (`Planner.admission`): the pool's capacity (`rollout.kv_pages`) is what the memory holds
@@ -170,11 +171,11 @@ class Planner:
                 else (_need(p["error"]) - self.usable) * GIB) for p in report["programs"])
     return math.ceil(max(over, 0) / page_bytes) + 1 if math.isfinite(over) else per_shard // 10
 
-  def bounded(self, tensor: int, micro: int) -> tuple[dict, int] | None:
+  def bounded(self, tensor: int, micro: int) -> tuple[dict, int, int] | None:
     """Where not even STEP slots fit with every row's pages reserved at its longest:
     the whole step at STEP slots over the largest pool that fits, the pages lowered from
-    every row's by what the costliest program lacked. (report, pages), or None where
-    not one row's pages fit."""
+    every row's by what the costliest program lacked. (report, pages, the rows the pool
+    holds at their longest), or None where not one row's pages fit."""
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
     report = self.compile(tensor, micro, STEP, ("learner", "rollout"))
     shards, page_bytes = lengths.kv_layout(report)
@@ -182,12 +183,12 @@ class Planner:
     pages = per_row * STEP // shards * shards
     for _ in range(ADMISSION_TRIES):
       if report["ok"]:
-        return report, pages
+        return report, pages, pages // per_row
       pages -= self._lacking(report, page_bytes, pages // shards) * shards
       if pages < per_row * shards:
         return None
       report = self.compile(tensor, micro, STEP, ("learner", "rollout"), kv_pages=pages)
-    return (report, pages) if report["ok"] else None
+    return (report, pages, pages // per_row) if report["ok"] else None
 
 
 def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, most: int,
@@ -286,8 +287,8 @@ def plan(spec: str, target: str, like: dict | None = None,
     for c in (c for c in candidates if c["micro_batch_size"]):
       found = planner.bounded(c["tensor"], c["micro_batch_size"])
       if found:
-        settled.append((found[0], dict(c, max_rows=STEP, reserved_rows=0,
-                                       kv_pages=found[1])))
+        report, pages, rows = found
+        settled.append((report, dict(c, max_rows=STEP, reserved_rows=rows, kv_pages=pages)))
   if not settled:
     least = min((s for s in planner.search if s["first_failure"]),
                 key=lambda s: _need(s["first_failure"]))
