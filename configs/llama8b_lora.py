@@ -1,14 +1,9 @@
 r"""Llama-3.1-8B with LoRA: the paper's run (configs/llama8b.py) on one GPU or a v5e-8.
 
-  python -m exgrpo_jax.train --config=configs/llama8b_lora.py:DEVICE --workdir=runs/llama8b_lora
+  python -m exgrpo_jax.train --config=configs/llama8b_lora.py:h200x1 --workdir=runs/llama8b_lora
 
-`common.lora_on_small_hardware`: the base frozen in bfloat16, rank-16 adapters (alpha 16)
-on every attention and MLP projection at 10 times the full fine-tuning learning rate
-(docs/lora.md); everything else is configs/llama8b.py's. The argument names the device
-(DEVICE, or DEVICE,VARIANT with a variant of configs/common.py): its mesh, micro-batch,
-rollout slots and KV pool are the planner's for it (PLANNED, from
-docs/results/aot_llama8b_lora_<device>.json; docs/aot.md, "LoRA on small hardware").
-Without one they are left for `python -m exgrpo_jax.aot plan` on your device.
+As configs/qwen7b_lora.py (its docstring says what the argument and PLANNED are), for
+configs/llama8b.py; PLANNED from docs/results/aot_llama8b_lora_<device>.json.
 """
 
 from configs import common
