@@ -17,6 +17,7 @@ from configs import qwen7b
 PLANNED = {
     "h100x1": dict(mesh_shape=(1, 1), micro_batch_size=8, max_rows=384, kv_pages=11532),
     "h200x1": dict(mesh_shape=(1, 1), micro_batch_size=8, max_rows=640, kv_pages=28359),
+    "v5e-8": dict(mesh_shape=(2, 4), micro_batch_size=8, max_rows=640, kv_pages=21214),
 }
 
 
