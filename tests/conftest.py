@@ -2,6 +2,8 @@
 the tests compile (fast on CPU, caches cleared between modules)."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -59,6 +61,19 @@ def subprocess_env(**overrides) -> dict:
   machines: docs/accelerator_check.md)."""
   path = [REPO_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)
+
+
+def run_on_cpu_devices(call: str, devices: int, timeout: float = 600) -> None:
+  """Runs the Python statement `call` (e.g. "from tests import t; t._child('/tmp/x')")
+  in a child process of this checkout with `devices` CPU devices (a device count is
+  fixed when JAX starts, and the other tests expect one), compiling as `FAST_COMPILE`
+  says; fails with the tail of its stderr unless it exits 0."""
+  env = subprocess_env(JAX_PLATFORMS="cpu",
+                       XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                       **FAST_COMPILE)
+  proc = subprocess.run([sys.executable, "-c", call], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout, check=False)
+  assert proc.returncode == 0, proc.stderr[-5000:]
 
 
 @pytest.fixture(scope="session")

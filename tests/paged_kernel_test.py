@@ -12,8 +12,6 @@ the kernel's own (online softmax over blocks of pages, its masks).
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import types
 
 import jax
@@ -171,15 +169,9 @@ def _mesh_child(outdir: str) -> None:
 
 @pytest.mark.slow
 def test_kernel_path_on_a_mesh_gives_the_xla_paths_rows(tmp_path):
-  env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                                **conftest.FAST_COMPILE)
-  proc = subprocess.run(
-      [sys.executable, "-c",
-       f"from tests import paged_kernel_test as t; t._mesh_child({str(tmp_path)!r})"],
-      cwd=conftest.REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
-      check=False)
-  assert proc.returncode == 0, proc.stderr[-5000:]
+  conftest.run_on_cpu_devices(
+      f"from tests import paged_kernel_test as t; t._mesh_child({str(tmp_path)!r})", 4,
+      timeout=900)
   with open(tmp_path / "rows.json", encoding="utf-8") as f:
     rows = json.load(f)
   ref, out = rows["False"], rows["True"]

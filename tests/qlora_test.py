@@ -5,8 +5,6 @@ current adapter merged onto the dequantized base.
 """
 
 import json
-import subprocess
-import sys
 
 import jax
 import ml_collections
@@ -254,15 +252,8 @@ def test_a_step_and_the_merge_on_an_fsdp_tensor_mesh_match_one_device(tmp_path):
   """On 4 CPU devices (fsdp 2 x tensor 2) every quantized projection's codes are split,
   not replicated; a learner step keeps the base's bytes and gives one device's adapters,
   and the merged weights match one device's."""
-  env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                                **conftest.FAST_COMPILE)
-  proc = subprocess.run(
-      [sys.executable, "-c",
-       f"from tests import qlora_test; qlora_test._sharded_child({str(tmp_path)!r})"],
-      cwd=lora_test.REPO, env=env, capture_output=True, text=True, timeout=600,
-      check=False)
-  assert proc.returncode == 0, proc.stderr[-5000:]
+  conftest.run_on_cpu_devices(
+      f"from tests import qlora_test; qlora_test._sharded_child({str(tmp_path)!r})", 4)
   with open(tmp_path / "summary.json") as f:
     summary = json.load(f)
   assert summary["base_kept"]

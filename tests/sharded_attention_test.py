@@ -9,8 +9,6 @@ shards); splash attention (Pallas's interpreter) inside it must match the einsum
 import functools
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -80,15 +78,8 @@ def _child(outdir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   outdir = tmp_path_factory.mktemp("sharded_attention")
-  env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                                **conftest.FAST_COMPILE)
-  proc = subprocess.run(
-      [sys.executable, "-c",
-       f"from tests import sharded_attention_test as t; t._child({str(outdir)!r})"],
-      cwd=conftest.REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
-      check=False)
-  assert proc.returncode == 0, proc.stderr[-5000:]
+  conftest.run_on_cpu_devices(
+      f"from tests import sharded_attention_test as t; t._child({str(outdir)!r})", 8)
   with open(outdir / "results.json") as f:
     return json.load(f)
 

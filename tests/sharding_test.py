@@ -9,7 +9,6 @@ The one-device reference runs in the same child, on one of its devices.
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -242,14 +241,8 @@ def _unsplit_large_leaves(params, opt_state) -> list[str]:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
   outdir = tmp_path_factory.mktemp("sharded")
-  env = conftest.subprocess_env(JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                                **conftest.FAST_COMPILE)
-  proc = subprocess.run(
-      [sys.executable, "-c",
-       f"from tests import sharding_test; sharding_test._child({str(outdir)!r})"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-5000:]
+  conftest.run_on_cpu_devices(
+      f"from tests import sharding_test; sharding_test._child({str(outdir)!r})", 8)
   with open(outdir / "summary.json") as f:
     summary = json.load(f)
   arrays = {name: list(np.load(outdir / f"{name}.npz").values())
