@@ -12,6 +12,7 @@ from configs import llama8b
 PLANNED = {
     "h100x1": dict(mesh_shape=(1, 1), micro_batch_size=8, max_rows=64, kv_pages=4584),
     "h200x1": dict(mesh_shape=(1, 1), micro_batch_size=8, max_rows=320, kv_pages=11948),
+    "v5e-8": dict(mesh_shape=(1, 8), micro_batch_size=4, max_rows=320, kv_pages=9692),
 }
 
 
