@@ -94,9 +94,11 @@ def test_the_merge_costs_once_per_generate_call_and_nothing_per_decode_step(resu
     assert run["merge_s"] == run["rollout_copy_s"] > 0
     assert run["merge_per_decode_step_s"] == pytest.approx(run["merge_s"] / steps)
     assert run["adapter_cost_per_decode_step_s"] == 0
+    assert run["unmerged_adapter_per_decode_step_s"] > 0
     # The merged copy decodes with the program full fine-tuning's copy compiled.
     assert run["decode_programs_compiled"] == 0
   assert sampler["runs"]["full"]["decode_programs_compiled"] > 0
+  assert sampler["runs"]["full"]["unmerged_adapter_per_decode_step_s"] == 0
 
 
 def test_a_bad_flag_is_refused_in_one_line_before_anything_loads(tmp_path):

@@ -25,7 +25,11 @@ base_quant as the config has them), side by side. Each run's state is the traine
   response lengths, EOS ignored), the same compiled program for every run since the
   merged copy has the base's shapes and dtypes; and the merge per decode step, the
   rollout copy's seconds over the decode steps of one generate call
-  (rollout.max_new_tokens).
+  (rollout.max_new_tokens). Beside it, what an unmerged decode would add to every
+  step at the least: the adapter products (x A) B of every layer and target for the
+  step's rows, one jitted program in the sampler's dtype. A call of N decode steps costs
+  the merged path one merge and the unmerged path N times the adapter products: the
+  merge wins past the break-even N, merge_s over the products' seconds.
 
 Seconds are medians of `--repeats` calls after one warm-up call (compile excluded), the
 runs' calls interleaved so machine load hits them alike. Other work on the machine skews
@@ -44,6 +48,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
+import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
@@ -86,8 +91,10 @@ MERGED_PATH = (
     "The JAX engine samples a LoRA run with merged weights: W + (alpha / r) A B goes into "
     "its rollout copy once per generate call, in the program that reshards and casts that "
     "copy, and every decode step reads plain weights, so the adapter costs one merge per "
-    "generate call and nothing per decode step. That is why the merged path was chosen; "
-    "an unmerged decode (x W + (x A) B inside every decode step) is not implemented.")
+    "generate call and nothing per decode step. An unmerged decode would add the adapter "
+    "products (x A) B to every decode step instead (unmerged_adapter_per_decode_step_s, "
+    "their lower bound); the merged path costs less where merge_per_decode_step_s is the "
+    "smaller.")
 
 
 _START = time.perf_counter()
@@ -203,6 +210,23 @@ class _Run:
   def rollout_copy(self, engine) -> None:
     jax.block_until_ready(engine.rollout_copy_program(self.state.mesh)(self.params))
 
+  def adapter_products(self, rows: int):
+    """A call of the adapter products an unmerged decode step would add: for `rows`
+    tokens, scale * (x A) B of every layer and target, in the sampler's dtype."""
+    dtype = jnp.dtype(self.state.model_cfg.dtype)
+    rng = np.random.default_rng(0)
+    factors, inputs = [], []
+    for targets in self.params.adapters["layers"].values():
+      for ab in targets.values():
+        L, r = ab["a"].shape[0], ab["a"].shape[-1]
+        a, b = ab["a"].reshape(L, -1, r), ab["b"].reshape(L, r, -1)
+        factors.append((a.astype(dtype), b.astype(dtype)))
+        inputs.append(jnp.asarray(rng.normal(size=(rows, a.shape[1])), dtype))
+    scale = self.params.scale
+    products = jax.jit(lambda fs, xs: [scale * jnp.einsum("lnr,lro->lno", jnp.einsum(
+        "ni,lir->lnr", x, a), b) for (a, b), x in zip(fs, xs)])
+    return lambda: products(factors, inputs)
+
 
 def _interleaved(runs: dict, call, repeats: int) -> dict:
   """{run: median seconds of `repeats` calls of call(run)} after one warm-up call each,
@@ -263,6 +287,11 @@ def _measure(runs: dict, repeats: int) -> dict:
   _log("timing the rollout copy")
   copy_s = _interleaved(runs, lambda run: run.rollout_copy(engine), repeats)
   prompts = [p.ids for p in st.prompts[:config.train.batch_questions] for _ in range(r.k)]
+  _log(f"timing the adapter products of one decode step at {len(prompts)} rows")
+  products = {name: run.adapter_products(len(prompts)) for name, run in runs.items()
+              if run.is_lora}
+  unmerged_s = bench_attention.interleaved_medians(
+      products, {name: () for name in products}, repeats)
   for name, run in runs.items():
     _log(f"{name}: timing decode at {len(prompts)} rows")
     compiles = engine.stats["compiles"]
@@ -278,7 +307,8 @@ def _measure(runs: dict, repeats: int) -> dict:
         merge_per_decode_step_over_decode_step=merge_s / N / decode_s if decode_s > 0 else None,
         decode_step_s=decode_s, generate_s=ours["seconds"],
         decode_programs_compiled=engine.stats["compiles"] - compiles,
-        adapter_cost_per_decode_step_s=0.0)
+        adapter_cost_per_decode_step_s=0.0,
+        unmerged_adapter_per_decode_step_s=unmerged_s.get(name, 0.0))
   return dict(
       shapes=_shapes(config, st.model_cfg),
       learner=dict(
@@ -301,7 +331,11 @@ def _measure(runs: dict, repeats: int) -> dict:
               "which has the base's shapes and dtypes, with the same compiled program "
               "(decode_programs_compiled: 0 after the first run)",
               adapter_cost_per_decode_step_s="0 by construction: decode steps read the "
-              "merged weights"),
+              "merged weights",
+              unmerged_adapter_per_decode_step_s="what an unmerged decode would add to each "
+              "decode step at the least: scale x (x A) B of every layer and target for the "
+              "step's rows (rollout_rows), one jitted program in the model's compute dtype, "
+              "median after a warm-up; 0 for full fine-tuning"),
           runs=sampler_runs))
 
 
