@@ -21,6 +21,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto`: a worker per core, at most 4. Each worker is a JAX process of a few GB,
+  and some tests start children on 8 CPU devices beside it."""
+  del config
+  return min(4, os.cpu_count() or 1)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _fast_compile():
   """On CPU the tests' programs are small and each runs a few times: LLVM's optimisation

