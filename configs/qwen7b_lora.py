@@ -1,4 +1,4 @@
-r"""Qwen2.5-Math-7B with LoRA: the paper's run (configs/qwen7b.py) on one GPU or a v5e-8.
+r"""Qwen2.5-Math-7B with LoRA: the paper's run (configs/qwen7b.py) on one GPU, a v5e-8 or a v6e-8.
 
   python -m exgrpo_jax.train --config=configs/qwen7b_lora.py:h200x1 --workdir=runs/qwen7b_lora
 
@@ -18,6 +18,7 @@ PLANNED = {
     "h100x1": dict(mesh_shape=(1, 1), micro_batch_size=8, max_rows=384, kv_pages=11532),
     "h200x1": dict(mesh_shape=(1, 1), micro_batch_size=8, max_rows=640, kv_pages=28359),
     "v5e-8": dict(mesh_shape=(2, 4), micro_batch_size=8, max_rows=640, kv_pages=21214),
+    "v6e-8": dict(mesh_shape=(2, 4), micro_batch_size=8, max_rows=1024, kv_pages=37046),
 }
 
 

@@ -202,6 +202,12 @@ COMMANDS = [
             "--out=docs/results/aot_qwen7b_lora_h200x1.json",
             skip="14 minutes of compiles in the AOT environment; its output is "
             "docs/results/aot_qwen7b_lora_h200x1.json, which aot_step_lengths_test reads"),
+    Command(".aot/tpu/bin/python -m exgrpo_jax.aot plan --config=configs/qwen7b_lora.py "
+            "--target=v6e-8 --like docs/results/aot_qwen7b_v6e-8.json "
+            "--out=docs/results/aot_qwen7b_lora_v6e-8.json",
+            skip="7 minutes of compiles in the AOT environment; its output is "
+            "docs/results/aot_qwen7b_lora_v6e-8.json, which configs_test holds "
+            "configs/qwen7b_lora.py to"),
     Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot "
             "--config=configs/qwen7b.py --target=h100x1 --config.mesh.shape='(1, 1)' "
             "--parts=learner", skip="minutes of compiling a 7B learner step in the AOT "
