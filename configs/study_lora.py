@@ -4,8 +4,7 @@ paired by seed against study v3's full fine-tuning on-policy runs.
   mkdir -p runs/study_lora/summaries
   cp docs/results/study_v3_runs/onpolicy_s[1-4].json runs/study_lora/summaries/
   python -m exgrpo_jax.study run --config=configs/study_lora.py --out=runs/study_lora
-  python -m exgrpo_jax.study report --config=configs/study_lora.py \
-      --summaries=runs/study_lora/summaries --json=runs/study_lora/study_lora.json
+  python -m exgrpo_jax.study report --config=configs/study_lora.py --out=runs/study_lora
 
 The copied summaries are the full fine-tuning arm (their runs are study v3's, same
 training config, seeds and evaluation); the runner then runs the LoRA arm alone. The

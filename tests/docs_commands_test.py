@@ -111,6 +111,10 @@ COMMANDS = [
     Command("python -m exgrpo_jax.study run --config=configs/study_lora.py --out=runs/study_lora",
             covered="tests/study_test.py::"
             "test_the_lora_study_runs_only_the_lora_arm_beside_the_committed_full_runs"),
+    Command("python -m exgrpo_jax.study report --config=configs/study_lora.py "
+            "--out=runs/study_lora",
+            covered="tests/study_test.py::"
+            "test_the_committed_lora_report_is_reproduced_from_the_committed_summaries"),
     Command("python -m exgrpo_jax.study run --config=configs/study_v3.py --out=runs/study_v3",
             covered="tests/study_test.py::"
             "test_smoke_study_from_the_readme_command_runs_resumes_and_reports"),

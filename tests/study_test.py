@@ -5,6 +5,7 @@ summaries, a smoke study from the README's command, and its bad input."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -326,3 +327,20 @@ def test_the_lora_study_runs_only_the_lora_arm_beside_the_committed_full_runs(tm
                      "--config.model.lora.rank=8", "--config.model.lora.alpha=16.0",
                      "--config.optim.lr=1e-4", "--config.eval.before_train=True"]
   assert cmd[3].endswith("configs/smollm2_study_v3.py:onpolicy")
+
+
+def test_the_committed_lora_report_is_reproduced_from_the_committed_summaries(tmp_path):
+  """docs/lora.md's report command: the LoRA runs' summaries beside study v3's full
+  fine-tuning on-policy ones give the committed JSON, byte for byte."""
+  summaries = tmp_path / "summaries"
+  summaries.mkdir()
+  runs = os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora_runs")
+  for folder, arm in ((COMMITTED, "onpolicy"), (runs, "lora")):
+    for seed in (1, 2, 3, 4):
+      shutil.copy(os.path.join(folder, f"{arm}_s{seed}.json"), summaries)
+  proc = cli("report", "--config=configs/study_lora.py", f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr
+  with open(tmp_path / "study_lora.json", encoding="utf-8") as f, open(
+      os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora.json"),
+      encoding="utf-8") as g:
+    assert f.read() == g.read()
