@@ -62,6 +62,7 @@ from exgrpo_jax import models  # pylint: disable=g-import-not-at-top,wrong-impor
 from exgrpo_jax import sampling  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.aot import programs  # pylint: disable=g-import-not-at-top,wrong-import-position
+from exgrpo_jax.models import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.models import lora  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.training import config_check  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax.training import learner  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -213,18 +214,18 @@ class _Run:
   def adapter_products(self, rows: int):
     """A call of the adapter products an unmerged decode step would add: for `rows`
     tokens, scale * (x A) B of every layer and target, in the sampler's dtype."""
-    dtype = jnp.dtype(self.state.model_cfg.dtype)
+    dtype = config_lib.dtype_from_name(self.state.model_cfg.dtype)  # the engine's cast
     rng = np.random.default_rng(0)
     factors, inputs = [], []
     for targets in self.params.adapters["layers"].values():
       for ab in targets.values():
         L, r = ab["a"].shape[0], ab["a"].shape[-1]
-        a, b = ab["a"].reshape(L, -1, r), ab["b"].reshape(L, r, -1)
-        factors.append((a.astype(dtype), b.astype(dtype)))
-        inputs.append(jnp.asarray(rng.normal(size=(rows, a.shape[1])), dtype))
+        a_LxIxr, b_LxrxO = ab["a"].reshape(L, -1, r), ab["b"].reshape(L, r, -1)
+        factors.append((a_LxIxr.astype(dtype), b_LxrxO.astype(dtype)))
+        inputs.append(jnp.asarray(rng.normal(size=(rows, a_LxIxr.shape[1])), dtype))
     scale = self.params.scale
     products = jax.jit(lambda fs, xs: [scale * jnp.einsum("lnr,lro->lno", jnp.einsum(
-        "ni,lir->lnr", x, a), b) for (a, b), x in zip(fs, xs)])
+        "ni,lir->lnr", x_NxI, a_LxIxr), b_LxrxO) for (a_LxIxr, b_LxrxO), x_NxI in zip(fs, xs)])
     return lambda: products(factors, inputs)
 
 
