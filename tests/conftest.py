@@ -75,9 +75,16 @@ def run_on_cpu_devices(call: str, devices: int, timeout: float = 600) -> None:
   """Runs the Python statement `call` (e.g. "from tests import t; t._child('/tmp/x')")
   in a child process of this checkout with `devices` CPU devices (a device count is
   fixed when JAX starts, and the other tests expect one), compiling as `FAST_COMPILE`
-  says; fails with the tail of its stderr unless it exits 0."""
+  says; fails with the tail of its stderr unless it exits 0.
+
+  XLA's CPU client runs the devices' programs on a pool of one thread a core (PJRT_NPROC
+  overrides it). A program blocked in a host callback holds its thread: Pallas's TPU
+  interpreter waits at a barrier for every device, while a callback of another device
+  waits for a transfer that needs a free thread; with fewer threads than devices + 1 (a
+  2-core host, 4 devices) that never comes."""
   env = subprocess_env(JAX_PLATFORMS="cpu",
                        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                       PJRT_NPROC=str(max(os.cpu_count() or 1, 2 * devices)),
                        **FAST_COMPILE)
   proc = subprocess.run([sys.executable, "-c", call], cwd=REPO_ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout, check=False)
