@@ -251,15 +251,22 @@ COMMANDS = [
             "$OUT/accelerator_check.log", skip=GPU_MACHINE),
     Command("bash scripts/accelerator/accelerator_bundle.sh install && export "
             "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && timeout 560 "
-            "python3 scripts/accelerator/gpu_followup.py --out $OUT/gpu_followup.json --budget "
-            "decode=170,study=330 2>&1 | tee $OUT/gpu_followup.log", skip=GPU_MACHINE),
+            "python3 scripts/accelerator/gpu_followup.py --out $OUT/gpu_followup.json --parts "
+            "lora,decode --budget lora=300,decode=170 2>&1 | tee $OUT/gpu_followup.log",
+            skip=GPU_MACHINE),
+    Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 300 python3 "
+            "scripts/accelerator/gpu_followup.py --out $OUT/gpu_followup_study.json --parts "
+            "study --budget study=240", skip=GPU_MACHINE),
+    Command("python scripts/accelerator/gpu_lora.py --render docs/results/gpu_lora_<kind>.json",
+            covered="tests/gpu_followup_test.py::"
+            "test_smoke_runs_every_part_and_a_rerun_skips_what_is_done"),
     Command("python -m exgrpo_jax.study report --config=configs/study_v3.py "
             "--summaries=docs/results/study_v3_gpu_runs --json=docs/results/study_v3_gpu.json "
             "--out=/tmp",
             skip="reports the GPU replicate's summaries, which a GPU session writes"),
     Command("python scripts/accelerator/gpu_followup.py --smoke --out /tmp/gpu_followup.json",
             covered="tests/gpu_followup_test.py::"
-            "test_smoke_runs_both_parts_and_a_rerun_skips_what_is_done"),
+            "test_smoke_runs_every_part_and_a_rerun_skips_what_is_done"),
     Command("bash scripts/accelerator/accelerator_bundle.sh prepare",
             skip="downloads wheels (PyPI)"),
     Command("pip install --no-index --no-deps --target /tmp/site",
@@ -305,6 +312,12 @@ COMMANDS = [
     Command("python -m exgrpo_jax.aot plan --render plan_h200x1.json --estimate",
             covered="tests/aot_lengths_test.py::"
             "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
+    Command("python scripts/accelerator/gpu_lora.py --out followup/gpu_lora.json --budget 300",
+            skip="runs the 7B LoRA plan on an H100 or H200; tests/gpu_followup_test.py runs "
+            "its smoke"),
+    Command("python scripts/accelerator/gpu_lora.py --render followup/gpu_lora.json",
+            covered="tests/gpu_followup_test.py::"
+            "test_smoke_runs_every_part_and_a_rerun_skips_what_is_done"),
     Command("python scripts/accelerator/gpu_followup.py --out followup/gpu_followup.json "
             "--parts study "
             "--budget study=2400",

@@ -1,6 +1,7 @@
 """scripts/accelerator/gpu_followup.py, the GPU issue's prepared measurements, on CPU: its smoke
 (tiny models, one training step) and its argument errors."""
 
+import functools
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 from tests import conftest
 
 SCRIPT = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator", "gpu_followup.py")
+LORA = os.path.join(conftest.REPO_ROOT, "scripts", "accelerator", "gpu_lora.py")
 
 
 def _run(*args, **kwargs):
@@ -23,7 +25,7 @@ def _run(*args, **kwargs):
     (["--out", "x.json", "--budget", "decode=soon"], "--budget decode=soon: give NAME=SECONDS"),
     (["--out", "x.json", "--budget", "learner=60"], "--budget learner=60: give NAME=SECONDS"),
     (["--out", "x.json", "--parts", "decode,tests"],
-     "--parts: unknown tests; known: decode, study"),
+     "--parts: unknown tests; known: lora, decode, study"),
     ([], "--out is required"),
     (["--out", "x.json", "--jobs", "0"], "argument --jobs: must be at least 1, got 0")])
 def test_bad_arguments_get_one_line(args, line, tmp_path):
@@ -53,15 +55,27 @@ def test_a_damaged_file_it_would_continue_is_named_in_one_line(tmp_path, name, t
 
 
 @pytest.mark.slow
-def test_smoke_runs_both_parts_and_a_rerun_skips_what_is_done(tmp_path):
-  """Every decode measurement of two flag sets (each its own process) and the study's
-  pair, two runs at once, one step each; a rerun measures and trains nothing again."""
+def test_smoke_runs_every_part_and_a_rerun_skips_what_is_done(tmp_path):
+  """The LoRA plan's run (SmolLM2 here, its plan compiled for this CPU), every decode
+  measurement of two flag sets (each its own process) and the study's pair, two runs at
+  once, one step each; a rerun measures and trains nothing again."""
   out = str(tmp_path / "followup.json")
   args = ("--smoke", "--out", out, "--jobs", "2", "--workdir", str(tmp_path / "runs"))
   proc = _run(*args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(out, encoding="utf-8") as f:
     first = json.load(f)
+  lora = first["lora"]
+  assert "error" not in lora and set(lora["phases"]) == {"recompute", "learner", "rollout"}
+  assert lora["steps"] and all(
+      step["measured_s"][p] > 0 and step["estimated_s"][p] > 0
+      for step in lora["steps"] for p in ("rollout", "recompute", "learner")), lora
+  assert lora["steps"][0]["mean_prompt_tokens"] > 256 - 16  # the filler prompts' bound
+  assert lora["rollout_programs_gib"]  # sizes as compiled here, beside the plan's
+  table = subprocess.run([sys.executable, LORA, "--render", str(tmp_path / "gpu_lora.json")],
+                         cwd=conftest.REPO_ROOT, capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+  assert all(f"| {phase} | " in table for phase in ("recompute", "learner", "rollout")), table
   decode = first["decode"]
   assert len(decode) == 2 * 4 * 3  # 2 variants x (2 models x batch 1, 8) x 3 engines
   assert all(row["tokens_per_s"] > 0 and row["hbm_bound_tokens_per_s"] > 0
@@ -75,3 +89,35 @@ def test_smoke_runs_both_parts_and_a_rerun_skips_what_is_done(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(out, encoding="utf-8") as f:
     assert json.load(f) == first  # nothing measured or trained again
+
+
+@pytest.mark.parametrize("target", ["h200x1", "h100x1"])
+def test_the_lora_part_runs_each_gpus_plan_at_its_settings(target, tmp_path):
+  """What the device would run, set up here: the plan's settings and choice agree, the
+  model is the plan's 7B shape (Qwen's vocabulary), and only batch, data and evaluation
+  differ from configs/qwen7b_lora.py:<target>."""
+  from configs import qwen7b_lora  # pylint: disable=g-import-not-at-top
+  from scripts.accelerator import gpu_lora  # pylint: disable=g-import-not-at-top
+  config, shape = gpu_lora.run_config(target, str(tmp_path), smoke=False)
+  report, chosen = gpu_lora._plan(target, config, smoke=False)  # pylint: disable=protected-access
+  assert chosen["chosen"]["max_rows"] == config.rollout.max_rows
+  assert (shape.vocab_size, shape.num_layers, shape.hidden_size) == (
+      report["model"]["vocab"], report["model"]["layers"], report["model"]["hidden"])
+  assert config.model.random_init and config.train.batch_questions == gpu_lora.QUESTIONS
+  plain = qwen7b_lora.get_config(target)
+  for key in ("mesh.shape", "optim.micro_batch_size", "optim.mini_batches",
+              "rollout.max_new_tokens", "rollout.max_rows", "rollout.kv_pages",
+              "data.max_prompt_tokens", "model.lora.rank", "model.dtype", "model.remat"):
+    value = lambda c: functools.reduce(getattr, key.split("."), c)  # pylint: disable=cell-var-from-loop
+    assert value(config) == value(plain), key
+  # The order of the part: the recompute's and the learner's peaks show before the rollout's.
+  peaks = gpu_lora.plan_peaks(report)
+  assert peaks["rollout"] >= peaks["learner"] > peaks["recompute"] > 0
+
+
+def test_the_lora_part_names_a_gpu_without_a_plan_in_one_line():
+  from exgrpo_jax import cli  # pylint: disable=g-import-not-at-top
+  from scripts.accelerator import gpu_lora  # pylint: disable=g-import-not-at-top
+  assert gpu_lora.target_of("NVIDIA H100 80GB HBM3") == "h100x1"
+  with pytest.raises(cli.UsageError, match="no one-GPU LoRA plan for a NVIDIA A100"):
+    gpu_lora.target_of("NVIDIA A100-SXM4-80GB")

@@ -2,6 +2,7 @@
 one whole-step estimate per length distribution.
 
   est = learner_estimate(report, lengths_R)   # learner_s, recompute_s, micro-batches
+  seconds = priced(report, measured_step)     # a measured step's phases, at its lengths
   print(step_table(plans))                    # rollout + recompute + learner per plan
 
 `check.step_estimate` prices both with every response at `rollout.max_new_tokens`: one
@@ -91,6 +92,16 @@ def learner_estimate(report: dict, lengths_R, fresh_R=None) -> dict:
       recompute_s=sum(_seconds(score, rows / micro, target) for rows in calls)
       if recompute else 0.0,
       micro_batches=filled, micro_batches_compiled=M, score_calls=len(calls) * recompute)
+
+
+def priced(report: dict, step: dict) -> dict:
+  """The roofline seconds of a measured step's phases at its own lengths: the rollout
+  over its fresh rows (`rollout_seconds`), the recompute over them and the learner over
+  every row it trained on (`learner_estimate`). `step`: `response_lens` and `fresh_lens`,
+  as the measuring scripts record them."""
+  learner = learner_estimate(report, step["response_lens"], fresh_R=step["fresh_lens"])
+  return dict(rollout=rollout_seconds(report, step["fresh_lens"]),
+              recompute=learner["recompute_s"], learner=learner["learner_s"])
 
 
 # Measured on a device, as a share of the roofline's bound (docs/accelerator_results.md):

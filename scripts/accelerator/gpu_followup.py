@@ -5,10 +5,15 @@ How to run it: docs/one_accelerator.md (your own GPU) and docs/accelerator_check
 `python -m exgrpo_jax.study report`. It has no published result yet.
 
   python scripts/accelerator/gpu_followup.py --out $OUT/followup.json \
-      [--parts decode,study] [--budget decode=170,study=330] [--jobs 6] \
+      [--parts lora,decode,study] [--budget lora=300,decode=170,study=330] [--jobs 6] \
       [--workdir /tmp/gpu_followup]
   python scripts/accelerator/gpu_followup.py --smoke --out /tmp/followup.json  # CPU, 1 step
 
+lora    the committed one-GPU LoRA plan of Qwen2.5-Math-7B for this device (h200x1 or
+        h100x1) at its settings, random weights of its shape, a few training steps at a
+        fixed response length: the device's peak memory per phase and each phase's
+        seconds beside the plan's (scripts/accelerator/gpu_lora.py, in a process of its
+        own, which frees the device for the parts after it).
 decode  the JAX engine's bfloat16 tokens/s (EOS ignored, 128 new tokens) and decode-only
         rate for SmolLM2-135M-Instruct and the Qwen2.5-1.5B shape at batch 1, 8, 64 and
         256 (`MEASUREMENTS`, most telling first), under each of `VARIANTS` (XLA's
@@ -55,7 +60,8 @@ MEASUREMENTS = [(model, batch, engine) for model, batch in (
     ("smollm2", 1), ("smollm2", 8), ("qwen", 1), ("smollm2", 64), ("qwen", 64),
     ("smollm2", 256), ("qwen", 8), ("qwen", 256)) for engine in ENGINES]
 NEW_TOKENS, REPEATS = 128, 3
-BUDGETS_S = dict(decode=170, study=330)
+BUDGETS_S = dict(lora=300, decode=170, study=330)
+LORA_GRACE_S = 150  # a step started before the budget ends after it: then killed
 STUDY_CONFIG = os.path.join(ROOT, "configs", "study_v3.py")
 
 
@@ -125,6 +131,32 @@ def decode(report: dict, budget_s: float, smoke: bool, write) -> None:
       write()
 
 
+def lora(report: dict, budget_s: float, out: str, workdir: str, smoke: bool, write) -> None:
+  """scripts/accelerator/gpu_lora.py in a child process; its JSON as `report["lora"]`
+  (skipped where that holds a finished step and no error)."""
+  done = report.get("lora", {})
+  if done.get("steps") and "error" not in done:
+    return
+  path = os.path.join(os.path.dirname(out), "gpu_lora.json")
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "accelerator", "gpu_lora.py"),
+         "--out", path, "--budget", str(budget_s),
+         "--workdir", os.path.join(workdir, "lora")] + (["--smoke"] if smoke else [])
+  print(f"[gpu_followup] lora ({budget_s:.0f} s)", file=sys.stderr, flush=True)
+  try:
+    subprocess.run(cmd, cwd=ROOT, timeout=budget_s + LORA_GRACE_S, check=False)
+    cut = False
+  except subprocess.TimeoutExpired:
+    cut = True
+  try:
+    with open(path, encoding="utf-8") as f:
+      report["lora"] = json.load(f)
+  except (OSError, ValueError) as e:
+    report["lora"] = dict(error=f"no report from gpu_lora.py ({cli.one_line(e)})")
+  if cut:
+    report["lora"]["cut"] = f"killed {LORA_GRACE_S} s after its budget"
+  write()
+
+
 def study(report: dict, budget_s: float, jobs: int, summaries: str, workdir: str,
           smoke: bool, write) -> None:
   from exgrpo_jax.study import protocol  # pylint: disable=g-import-not-at-top
@@ -170,7 +202,7 @@ def study(report: dict, budget_s: float, jobs: int, summaries: str, workdir: str
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", help="the JSON report (required)")
-  parser.add_argument("--parts", default="decode,study")
+  parser.add_argument("--parts", default="lora,decode,study")
   parser.add_argument("--budget", default="", help="NAME=SECONDS,...")
   parser.add_argument("--jobs", type=cli.positive_int, default=6)
   parser.add_argument("--workdir", default="/tmp/gpu_followup")
@@ -219,6 +251,8 @@ def main(argv=None) -> None:
   os.makedirs(os.path.dirname(out), exist_ok=True)
 
   write = lambda: accelerator_check.write(out, report)
+  if "lora" in parts:
+    lora(report, budgets["lora"], out, args.workdir, args.smoke, write)
   if "decode" in parts:
     decode(report, budgets["decode"], args.smoke, write)
   if "study" in parts:

@@ -24,9 +24,9 @@ set against a real run, with this CPU as the target:
    `targets.this_cpu`), as `exgrpo_jax.aot` compiles for an accelerator, with the
    longest prompt met as `data.max_prompt_tokens` (the trainer buckets the prompts it
    meets; the planner assumes the config's bound);
-4. each measured step priced at its own lengths: the rollout over its fresh rows
-   (`step_lengths.rollout_seconds`), the recompute over them and the learner over every
-   row the step trained on (`step_lengths.learner_estimate`).
+4. each measured step priced at its own lengths (`step_lengths.priced`): the rollout
+   over its fresh rows, the recompute over them and the learner over every row the step
+   trained on.
 
 It prints, per phase, the median of measured / estimated seconds over the measured
 steps, and whether the estimate ranks the phases as the measurements do (the JSON
@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from exgrpo_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from exgrpo_jax import config_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from scripts.bench import step_record  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 config_cli.make_config_files_importable(sys.argv)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
@@ -70,31 +71,6 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "Steps before them (compiles).", low
 _OUT = flags.DEFINE_string("out", None, "Write the JSON here too.")
 _REPRICE = flags.DEFINE_string("reprice", None, "A JSON this script wrote: price its "
                                "steps again (nothing runs) and write it back.")
-
-PHASES = {"rollout": "gen", "recompute": "old_logprobs", "learner": "update_actor"}
-
-
-def _recording(trainer, steps: list) -> None:
-  """Makes the trainer's actor record the lengths of every step it trains on."""
-  update = trainer.actor.update
-
-  def recorded(params, opt_state, groups, *args):
-    responses = [r for g in groups for r in g.responses]
-    steps.append(dict(
-        response_lens=[len(r.tokens) for r in responses],
-        fresh_lens=[len(r.tokens) for r in responses if not r.is_replay],
-        prompt_lens=[len(g.prompt_ids) for g in groups]))
-    return update(params, opt_state, groups, *args)
-  trainer.actor.update = recorded
-
-
-def _estimate(report: dict, step: dict) -> dict:
-  from exgrpo_jax.aot import step_lengths  # pylint: disable=g-import-not-at-top
-  learner = step_lengths.learner_estimate(report, step["response_lens"],
-                                          fresh_R=step["fresh_lens"])
-  return dict(rollout=step_lengths.rollout_seconds(report, step["fresh_lens"]),
-              recompute=learner["recompute_s"], learner=learner["learner_s"])
-
 
 def _priced(report: dict, overlap: bool) -> dict:
   """`report` with its target's `overlap` rule set and every program's roofline and the
@@ -114,28 +90,29 @@ def _priced(report: dict, overlap: bool) -> dict:
 
 
 def _rank(seconds: dict) -> list[str]:
-  return sorted(PHASES, key=lambda p: -seconds[p])
+  return sorted(step_record.PHASES, key=lambda p: -seconds[p])
 
 
 def _compared(report: dict, recorded: list) -> dict:
   """The report priced by this CPU's rule, each recorded step (lengths and `measured_s`)
   with its estimates by that rule and `overlapped`, and their medians and rankings."""
+  from exgrpo_jax.aot import step_lengths  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
   report = _priced(report, targets.this_cpu(1.0, 1.0).overlap)
   overlapped = _priced(report, True)
-  rows = [step | dict(estimated_s=_estimate(report, step),
-                      overlapped_s=_estimate(overlapped, step)) for step in recorded]
+  rows = [step | dict(estimated_s=step_lengths.priced(report, step),
+                      overlapped_s=step_lengths.priced(overlapped, step)) for step in recorded]
   result = {}
   for key, name in (("estimated_s", ""), ("overlapped_s", "overlapped_")):
     result[f"{name}median_measured_over_estimated"] = {
         p: float(np.median([r["measured_s"][p] / r[key][p] for r in rows]))
-        if all(r[key][p] > 0 for r in rows) else None for p in PHASES}
+        if all(r[key][p] > 0 for r in rows) else None for p in step_record.PHASES}
     result[f"{name}ranked_as_measured"] = [_rank(r["measured_s"]) == _rank(r[key])
                                            for r in rows]
     result[f"{name}estimated_ranking"] = _rank({p: np.median([r[key][p] for r in rows])
-                                                for p in PHASES})
+                                                for p in step_record.PHASES})
   result["measured_ranking"] = _rank({p: np.median([r["measured_s"][p] for r in rows])
-                                      for p in PHASES})
+                                      for p in step_record.PHASES})
   return result | dict(report=report, steps=rows)
 
 
@@ -193,14 +170,13 @@ def _main():
   steps, measured = [], []
   with tempfile.TemporaryDirectory(prefix="check_estimate_") as tmp:
     trainer = trainer_lib.Trainer(config, tmp)
-    _recording(trainer, steps)
+    step_record.record(trainer, steps)
     for step in range(1, total + 1):
       start = time.time()
       metrics = trainer.train_step()
       print(f"[check] step {step}/{total}: {time.time() - start:.1f} s", file=sys.stderr,
             flush=True)
-      measured.append({p: float(metrics[f"timing_s/{t}"]) for p, t in PHASES.items()}
-                      | dict(step=float(metrics["timing_s/step"])))
+      measured.append(step_record.seconds(metrics))
       rates.append(targets.measured_rates(model_cfg.hidden_size, model_cfg.intermediate_size))
     trainer.close()
   # The programs at the shapes the steps ran: the trainer buckets the longest prompt it
