@@ -39,4 +39,5 @@ def get_config(arg=None):
   c.exploratory = ()
   c.stages = ((1, 2, 3, 4),) if arg is None else c.stages
   c.health.min_healthy = 0
+  c.verdict.exgrpo = False  # the paired figures alone: no ExGRPO health check or verdict
   return c

@@ -65,6 +65,7 @@ def get_config(arg=None):
       rescue=0.09,         # "no rescue-sized effect" when the upper 95% bound is below
       manipulation=0.03,   # some arm's AUC gain over step 0
       collapse=0.05,       # greedy accuracy lost from step 0 to the last step
+      exgrpo=True,         # False: a study of no ExGRPO claim; its report has no rules
   ))
   if arg == "smoke":
     c.train_config = "configs/tiny.py"

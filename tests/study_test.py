@@ -344,3 +344,8 @@ def test_the_committed_lora_report_is_reproduced_from_the_committed_summaries(tm
       os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora.json"),
       encoding="utf-8") as g:
     assert f.read() == g.read()
+  with open(tmp_path / "study_lora.json", encoding="utf-8") as f:
+    reported = json.load(f)
+  # It tests no claim of ExGRPO's: no health check or verdict of study v3's rules.
+  assert reported["rules"] is None and reported["primary"]["pair"] == "lora - onpolicy"
+

@@ -8,7 +8,8 @@ AUC (mean avg@2 over the config's `eval_steps`) and health figures. The paired
 comparisons (AUC of one arm minus another's, seed by seed: mean, SD, 95% t interval,
 two-sided t-test and Wilcoxon p-values, seeds for / against) of the primary pair (or its
 fallback, once that has runs), of the attribution arms on stage 1's seeds and of the
-exploratory arms; the rules' checks and the verdict. Needs scipy (the `test` extra).
+exploratory arms; the rules' checks and the verdict (none where the config's
+`verdict.exgrpo` is false: a study of no ExGRPO claim). Needs scipy (the `test` extra).
 """
 
 import os
@@ -129,7 +130,8 @@ def report(config, summaries: dict) -> dict:
   return {"protocol": config.protocol, "config": config.train_config, "runs": table,
           "primary": primary, "attribution": attribution, "exploratory": exploratory,
           "arms": {arm: arm_summary(config, seeds) for arm, seeds in runs.items()},
-          "rules": verdict(config, runs, primary, pairs), "_runs": runs}
+          "rules": verdict(config, runs, primary, pairs) if config.verdict.exgrpo else None,
+          "_runs": runs}
 
 
 def plot(config, result: dict, out_dir: str) -> list[str]:
