@@ -30,6 +30,7 @@ rollout (its compile taken out), recompute and learner beside the plan's rooflin
 the step's own lengths (`step_lengths.priced`) and at the device's measured efficiency
 (`step_lengths.MEASURED`). It is rewritten after each phase and step.
 
+Unless set, XLA_PYTHON_CLIENT_MEM_FRACTION is the plans' (`run_guard.PLANNED_GPU_FRACTION`).
 `--smoke` runs the same on this CPU with the embedded SmolLM2 at tiny lengths, its
 "plan" compiled here for this CPU (`check.run` with `targets.this_cpu`).
 """
@@ -338,6 +339,9 @@ def main(argv=None) -> int:
     parser.error("--out is required")
   if args.smoke:
     os.environ["JAX_PLATFORMS"] = "cpu"
+  else:  # before JAX starts: the share of the device's memory the plans were made for
+    from exgrpo_jax.training import run_guard  # pylint: disable=g-import-not-at-top
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(run_guard.PLANNED_GPU_FRACTION))
   out = os.path.abspath(args.out)
   return cli.guarded(lambda: measure(out, args.budget, args.workdir, args.smoke),
                      prefix="gpu_lora")
