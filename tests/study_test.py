@@ -348,4 +348,10 @@ def test_the_committed_lora_report_is_reproduced_from_the_committed_summaries(tm
     reported = json.load(f)
   # It tests no claim of ExGRPO's: no health check or verdict of study v3's rules.
   assert reported["rules"] is None and reported["primary"]["pair"] == "lora - onpolicy"
+  shutil.copytree(summaries, tmp_path / "study" / "summaries")
+  status = cli("status", "--config=configs/study_lora.py", f"--out={tmp_path / 'study'}")
+  assert "done (pairs lora - onpolicy); next: -" in status.stdout, status.stdout
+  status = cli("status", "--config=configs/study_lora.py", f"--out={tmp_path / 'study'}",
+               "--exploratory")
+  assert "next: exgrpo_lora_s1 exgrpo_lora_s2 exgrpo_lora_s3 exgrpo_lora_s4" in status.stdout
 

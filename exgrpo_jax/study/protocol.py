@@ -129,7 +129,8 @@ def plan(config, runs: dict, exploratory: bool) -> tuple[list, str]:
   pairs = config.primary
   seeds = [s for stage_seeds in config.stages for s in stage_seeds]
   passing = sum(healthy(runs[config.primary[0], s], config.health) for s in seeds)
-  state = f"done: {passing} of {len(seeds)} ExGRPO runs healthy"
+  state = (f"done: {passing} of {len(seeds)} ExGRPO runs healthy" if config.verdict.exgrpo
+           else "done")
   if passing < config.health.min_healthy:
     pairs = config.fallback
     todo, stage, stopped = _by_stages(config, runs, config.fallback)
