@@ -121,3 +121,21 @@ def test_the_lora_part_names_a_gpu_without_a_plan_in_one_line():
   assert gpu_lora.target_of("NVIDIA H100 80GB HBM3") == "h100x1"
   with pytest.raises(cli.UsageError, match="no one-GPU LoRA plan for a NVIDIA A100"):
     gpu_lora.target_of("NVIDIA A100-SXM4-80GB")
+
+
+def test_the_lora_parts_prompts_have_the_plans_length(tmp_path, smollm2_hf_dir):
+  """The filler questions render, in the plan's template, within `SLACK` tokens of the
+  plan's 1,024, each question once."""
+  del smollm2_hf_dir  # the embedded model's tokenizer
+  from configs import qwen7b_lora  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import data  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import models  # pylint: disable=g-import-not-at-top
+  from scripts.accelerator import gpu_lora  # pylint: disable=g-import-not-at-top
+  config, tokenizer = qwen7b_lora.get_config("h200x1"), models.load_tokenizer()
+  path = gpu_lora.prompt_file(tokenizer, config.data.template, config.data.max_prompt_tokens,
+                              8, str(tmp_path / "prompts.jsonl"))
+  questions = data.load_questions(path).questions
+  prompts, dropped = data.render_prompts(questions, tokenizer, template=config.data.template,
+                                         max_prompt_tokens=config.data.max_prompt_tokens)
+  assert dropped == 0 and len({q.problem for q in questions}) == 8
+  assert all(1024 - gpu_lora.SLACK <= len(p.ids) <= 1024 for p in prompts)

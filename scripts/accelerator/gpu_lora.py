@@ -2,7 +2,7 @@ r"""The one-GPU LoRA plan of Qwen2.5-Math-7B run on its GPU: the device's memory
 seconds beside the plan's (the part `lora` of gpu_followup.py, which runs it in a process
 of its own).
 
-  python scripts/accelerator/gpu_lora.py --out $OUT/gpu_lora.json [--budget 330]
+  python scripts/accelerator/gpu_lora.py --out $OUT/gpu_lora.json [--budget 300]
   python scripts/accelerator/gpu_lora.py --smoke --out /tmp/gpu_lora.json  # CPU
   python scripts/accelerator/gpu_lora.py --render docs/results/gpu_lora_<kind>.json
 
@@ -67,44 +67,42 @@ def target_of(device_kind: str) -> str:
                        f"{', '.join(t for _, t in PLANS)} only")
 
 
-def _rendered(problems_by_row: dict, tokenizer, template: str, path: str) -> dict:
-  """{row: [(prompt tokens, problem), ...]} of each row's problems, written to `path` as
-  a question file and rendered as the trainer renders them."""
+def _prompt_lengths(problems: list[str], tokenizer, template: str, path: str) -> list[int]:
+  """The tokens of each problem's prompt, as the trainer renders a question file of them
+  (written to `path`)."""
   from exgrpo_jax import data  # pylint: disable=g-import-not-at-top
   with open(path, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(dict(problem=p, answer="2")) + "\n"
-                 for problems in problems_by_row.values() for p in problems)
+    f.writelines(json.dumps(dict(problem=p, answer="2")) + "\n" for p in problems)
   prompts, _ = data.render_prompts(data.load_questions(path).questions, tokenizer,
                                    template=template)
-  lengths = iter(len(p.ids) for p in prompts)  # in the file's order, none dropped
-  return {row: [(next(lengths), p) for p in problems]
-          for row, problems in problems_by_row.items()}
+  return [len(p.ids) for p in prompts]  # in the file's order: none is dropped
 
 
 def prompt_file(tokenizer, template: str, max_prompt_tokens: int, rows: int,
                 path: str) -> str:
   """A question file of `rows` distinct filler questions whose rendered prompts have
-  between `max_prompt_tokens - SLACK` and `max_prompt_tokens` tokens (" one" is a token
-  of its own: each row's base length, then the fillers that reach the bound)."""
-  def problem(row, n):
-    return f"Question {row}: what is 1 + 1?" + " one" * n
-  base = _rendered({r: [problem(r, 0)] for r in range(rows)}, tokenizer, template, path)
-  if base[0][0][0] > max_prompt_tokens:
-    raise RuntimeError(f"a filler question takes {base[0][0][0]} tokens in template "
-                       f"{template!r}, over {max_prompt_tokens}")
-  candidates = {r: [problem(r, n) for n in range(max(0, max_prompt_tokens - base[r][0][0]
-                                                     - SLACK),
-                                                 max_prompt_tokens - base[r][0][0] + 1)]
-                for r in range(rows)}
-  chosen = []
-  for row, rendered in _rendered(candidates, tokenizer, template, path).items():
-    fits = [(n, p) for n, p in rendered if max_prompt_tokens - SLACK <= n <= max_prompt_tokens]
-    if not fits:
-      raise RuntimeError(f"filler question {row}: no prompt within {SLACK} tokens of "
-                         f"{max_prompt_tokens} ({sorted(n for n, _ in rendered)})")
-    chosen.append(max(fits)[1])
+  between `max_prompt_tokens - SLACK` and `max_prompt_tokens` tokens: each row's
+  question, then every count of filler words that may land there (" one" is a token
+  of its own, or more where the tokenizer merges)."""
+  problem = lambda row, n: f"Question {row}: what is 1 + 1?" + " one" * n
+  base = _prompt_lengths([problem(r, 0) for r in range(rows)], tokenizer, template, path)
+  if max(base) > max_prompt_tokens - SLACK:
+    raise RuntimeError(f"a filler question takes {max(base)} tokens in template "
+                       f"{template!r}, over {max_prompt_tokens - SLACK}")
+  candidates = [(r, problem(r, n)) for r in range(rows)
+                for n in range(max_prompt_tokens - base[r] - SLACK,
+                               max_prompt_tokens - base[r] + 1)]
+  chosen = {}
+  for (row, text), n in zip(candidates, _prompt_lengths([t for _, t in candidates],
+                                                         tokenizer, template, path)):
+    if max_prompt_tokens - SLACK <= n <= max_prompt_tokens and n > chosen.get(row, (0,))[0]:
+      chosen[row] = (n, text)
+  if len(chosen) < rows:
+    raise RuntimeError(f"filler questions {sorted(set(range(rows)) - set(chosen))}: no "
+                       f"prompt within {SLACK} tokens of {max_prompt_tokens}")
   with open(path, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(dict(problem=p, answer="2")) + "\n" for p in chosen)
+    f.writelines(json.dumps(dict(problem=text, answer="2")) + "\n"
+                 for _, text in chosen.values())
   return path
 
 
@@ -326,7 +324,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", help="the JSON report (required unless --render)")
   parser.add_argument("--render", help="print a JSON this script wrote as Markdown")
-  parser.add_argument("--budget", type=float, default=330.0,
+  parser.add_argument("--budget", type=float, default=300.0,
                       help="seconds: no step starts that would end after it")
   parser.add_argument("--workdir", default="/tmp/gpu_lora")
   parser.add_argument("--smoke", action="store_true")
