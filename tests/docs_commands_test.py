@@ -110,7 +110,10 @@ COMMANDS = [
             expect=r'"continuous"', slow=True),
     Command("python -m exgrpo_jax.study run --config=configs/study_lora.py --out=runs/study_lora",
             covered="tests/study_test.py::"
-            "test_the_lora_study_runs_only_the_lora_arm_beside_the_committed_full_runs"),
+            "test_the_lora_study_runs_the_lora_arm_then_the_exploratory_one"),
+    Command("python -m exgrpo_jax.study run --config=configs/study_lora.py --out=runs/study_lora "
+            "--exploratory", covered="tests/study_test.py::"
+            "test_the_lora_study_runs_the_lora_arm_then_the_exploratory_one"),
     Command("python -m exgrpo_jax.study report --config=configs/study_lora.py "
             "--out=runs/study_lora",
             covered="tests/study_test.py::"

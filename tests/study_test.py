@@ -314,7 +314,7 @@ def test_sigterm_to_the_runner_stops_the_run_checkpointed_and_a_rerun_resumes(tm
                                                                  "onpolicy_s1.json"]
 
 
-def test_the_lora_study_runs_only_the_lora_arm_beside_the_committed_full_runs(tmp_path):
+def test_the_lora_study_runs_the_lora_arm_then_the_exploratory_one(tmp_path):
   lora = protocol.load(os.path.join(conftest.REPO_ROOT, "configs", "study_lora.py"))
   for seed in (1, 2, 3, 4):
     name = f"onpolicy_s{seed}.json"
@@ -327,15 +327,26 @@ def test_the_lora_study_runs_only_the_lora_arm_beside_the_committed_full_runs(tm
                      "--config.model.lora.rank=8", "--config.model.lora.alpha=16.0",
                      "--config.optim.lr=1e-4", "--config.eval.before_train=True"]
   assert cmd[3].endswith("configs/smollm2_study_v3.py:onpolicy")
+  # With --exploratory, once the LoRA runs are done: ExGRPO with the same adapters.
+  for seed in (1, 2, 3, 4):
+    shutil.copy(os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora_runs",
+                             f"lora_s{seed}.json"), tmp_path)
+  todo, state = protocol.plan(lora, protocol.read_summaries(str(tmp_path)), True)
+  assert (todo, state) == ([("exgrpo_lora", s) for s in (1, 2, 3, 4)],
+                           "exploratory exgrpo_lora")
+  cmd = study_runs.command(lora, str(tmp_path), "exgrpo_lora", 1, sys.executable)
+  assert cmd[3].endswith("configs/smollm2_study_v3.py:exgrpo") and cmd[6:9] == [
+      "--config.model.lora.rank=8", "--config.model.lora.alpha=16.0", "--config.optim.lr=1e-4"]
 
 
 def test_the_committed_lora_report_is_reproduced_from_the_committed_summaries(tmp_path):
-  """docs/lora.md's report command: the LoRA runs' summaries beside study v3's full
-  fine-tuning on-policy ones give the committed JSON, byte for byte."""
+  """docs/lora.md's report command: the LoRA runs' summaries (on-policy and the
+  exploratory ExGRPO arm) beside study v3's full fine-tuning on-policy ones give the
+  committed JSON, byte for byte."""
   summaries = tmp_path / "summaries"
   summaries.mkdir()
   runs = os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora_runs")
-  for folder, arm in ((COMMITTED, "onpolicy"), (runs, "lora")):
+  for folder, arm in ((COMMITTED, "onpolicy"), (runs, "lora"), (runs, "exgrpo_lora")):
     for seed in (1, 2, 3, 4):
       shutil.copy(os.path.join(folder, f"{arm}_s{seed}.json"), summaries)
   proc = cli("report", "--config=configs/study_lora.py", f"--out={tmp_path}")
@@ -351,7 +362,6 @@ def test_the_committed_lora_report_is_reproduced_from_the_committed_summaries(tm
   shutil.copytree(summaries, tmp_path / "study" / "summaries")
   status = cli("status", "--config=configs/study_lora.py", f"--out={tmp_path / 'study'}")
   assert "done (pairs lora - onpolicy); next: -" in status.stdout, status.stdout
-  status = cli("status", "--config=configs/study_lora.py", f"--out={tmp_path / 'study'}",
-               "--exploratory")
-  assert "next: exgrpo_lora_s1 exgrpo_lora_s2 exgrpo_lora_s3 exgrpo_lora_s4" in status.stdout
+  assert [p["pair"] for p in reported["exploratory"]] == ["exgrpo_lora - lora",
+                                                        "exgrpo_lora - onpolicy"]
 
