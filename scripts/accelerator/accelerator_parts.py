@@ -149,6 +149,13 @@ def _smoke_subject(name: str, workdir: str) -> Subject:
   return Subject(f"tiny random {cfg.model_type}", cfg, params, tokenizer, hf_dir)
 
 
+def device_peak_gib() -> float | None:
+  """The most memory the device has held so far (GiB); None where the backend does not
+  count it (the CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats["peak_bytes_in_use"] / 2 ** 30 if "peak_bytes_in_use" in stats else None
+
+
 def import_torch():
   missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
   if missing:

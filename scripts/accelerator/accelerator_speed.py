@@ -138,11 +138,6 @@ def _peak_tflops() -> float | None:
   return next((t for key, t in PEAK_BF16_TFLOPS if key in device.device_kind), None)
 
 
-def _device_peak_gib() -> float | None:
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats["peak_bytes_in_use"] / GIB if "peak_bytes_in_use" in stats else None
-
-
 def _lower(config, cfg, params, opt_state, batch):
   """The learner step of a case, lowered for these (real or abstract) arguments."""
   return learner.step_program(params, opt_state).lower(
@@ -228,7 +223,7 @@ def _learner_case(config, cfg, S: int, M: int, steps: int) -> dict:
   compiled_bytes = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                     - m.alias_size_in_bytes)
   predicted = _prediction(cfg.attention, S, M)
-  device_peak = _device_peak_gib()
+  device_peak = parts.device_peak_gib()
   del params, opt_state
   return dict(attention=cfg.attention, S=S, micro_batches=M, step_s=step_s,
               tokens_per_s=tokens / step_s, model_tflop_per_step=flops / 1e12,

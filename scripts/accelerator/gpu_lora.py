@@ -135,12 +135,6 @@ def run_config(target: str | None, workdir: str, smoke: bool):
   return config, shape
 
 
-def device_peak_gib() -> float | None:
-  import jax  # pylint: disable=g-import-not-at-top
-  stats = jax.devices()[0].memory_stats()
-  return None if not stats else stats["peak_bytes_in_use"] / GIB
-
-
 def plan_peaks(report: dict) -> dict:
   """The plan's device peak (GiB) of each phase: its largest program's."""
   from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
@@ -244,7 +238,7 @@ def measure(out: str, budget_s: float, workdir: str, smoke: bool) -> None:
       start = time.perf_counter()
       call()
       result["phases"][phase] = dict(first_call_s=time.perf_counter() - start,
-                                     device_peak_gib=device_peak_gib(),
+                                     device_peak_gib=accelerator_parts.device_peak_gib(),
                                      plan_peak_gib=plan_gib[phase])
       print(f"[gpu_lora] {phase}: {result['phases'][phase]}", file=sys.stderr, flush=True)
       write()
@@ -268,7 +262,7 @@ def measure(out: str, budget_s: float, workdir: str, smoke: bool) -> None:
           mean_response_tokens=(sum(recorded[-1]["response_lens"])
                                 / len(recorded[-1]["response_lens"]))))
       if "rollout" not in result["phases"]:
-        result["phases"]["rollout"] = dict(device_peak_gib=device_peak_gib(),
+        result["phases"]["rollout"] = dict(device_peak_gib=accelerator_parts.device_peak_gib(),
                                            plan_peak_gib=plan_gib["rollout"])
         result["rollout_programs_gib"] = {
             name: dict(device=sizes, plan={k: p[k + "_bytes"] / GIB for k in sizes
