@@ -75,7 +75,8 @@ def run(config, args) -> int:
   out, summaries = os.path.abspath(args.out), os.path.join(os.path.abspath(args.out),
                                                            "summaries")
   while True:
-    todo, state = protocol.plan(config, protocol.read_summaries(summaries), args.exploratory)
+    finished = protocol.read_summaries(summaries)
+    todo, state = protocol.plan(config, finished, args.exploratory)
     print(f"[study] {state}: {len(todo)} run(s) to go", flush=True)
     if not todo:
       print(f"[study] report: python -m {PROG} report --config={args.config} "
@@ -86,7 +87,8 @@ def run(config, args) -> int:
     for attempt in range(config.retries + 1):
       print(f"[study] {arm} seed {seed}" + (f" (retry {attempt})" if attempt else "")
             + f": {wd}/train.log", flush=True)
-      status = runs_lib.train(config, out, arm, seed, args.python)
+      status = runs_lib.train(protocol.resolve(config, finished), out, arm, seed,
+                              args.python)
       if status == 0:
         break
       if status in (cli.EXIT_PREEMPTED, cli.EXIT_INTERRUPTED):  # checkpointed
@@ -96,7 +98,7 @@ def run(config, args) -> int:
     else:
       return cli.error(f"{arm} seed {seed} failed {config.retries + 1} times (exit "
                        f"{status}); see {wd}/train.log")
-    runs_lib.write_summary(config, out, summaries, arm, seed)
+    runs_lib.write_summary(protocol.resolve(config, finished), out, summaries, arm, seed)
     shutil.rmtree(os.path.join(wd, "checkpoints"), ignore_errors=True)
 
 
@@ -120,7 +122,7 @@ def report(config, args) -> int:
     raise cli.UsageError(f"--summaries {directory}: no finished runs (<arm>_s<seed>.json)")
   if importlib.util.find_spec("scipy") is None:
     return cli.error("the report's tests need scipy: pip install scipy (the `test` extra)")
-  result = report_lib.report(config, summaries)
+  result = report_lib.report(protocol.resolve(config, summaries), summaries)
   public = {k: v for k, v in result.items() if not k.startswith("_")}
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:

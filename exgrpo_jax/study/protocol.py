@@ -13,6 +13,12 @@ differences) the study stops; otherwise the later stages run the primary pair. U
 `health.min_healthy` of the primary pair's first-arm runs pass the replay health check,
 the fallback pair reruns by the same stages. Exploratory arms come last, on stage 1's
 seeds, only when asked for.
+
+A config with a `tuning` section first runs its candidate arms (and the primary pair's
+second arm) on the tuning seeds and picks the candidate of the best mean AUC (within
+`tuning.tie` of it, the one listed first; a candidate with a collapsed run is never
+picked). An arm whose overrides hold `@tuned` takes the winner's overrides there, so the
+later stages confirm the chosen setting on seeds of their own.
 """
 
 import glob
@@ -28,6 +34,7 @@ from exgrpo_jax import config_cli
 SUMMARY = re.compile(r"(.+)_s(\d+)\.json")
 # What the report reads from every summary; a summary without them is not one.
 SUMMARY_KEYS = ("arm", "seed", "evals", "health", "zero_advantage_share", "curves")
+TUNED = "@tuned"  # in an arm's overrides: the tuning winner's overrides
 
 
 def load(path: str, smoke: bool = False):
@@ -42,6 +49,16 @@ def load(path: str, smoke: bool = False):
              if k not in config]
   if missing:
     raise cli.UsageError(f"--config={spec}: not a study config (no {', '.join(missing)})")
+  names = [arm for arm, _, _ in config.arms]
+  tuning = config.get("tuning")
+  for arm, _, overrides in config.arms:
+    if TUNED in overrides and not tuning:
+      raise cli.UsageError(f"--config={spec}: arm {arm!r} takes {TUNED} but the config has "
+                           "no tuning section")
+  for arm in tuning.arms if tuning else ():
+    if arm not in names:
+      raise cli.UsageError(f"--config={spec}: tuning.arms: {arm!r} is not an arm "
+                           f"(arms: {', '.join(names)})")
   return config
 
 
@@ -53,6 +70,48 @@ def arms(config) -> dict:
 def auc(run: dict, eval_steps) -> float:
   """Mean held-out avg@2 over the evaluation steps."""
   return float(np.mean([run["evals"][str(s)]["avg@2"] for s in eval_steps]))
+
+
+def collapsed(run: dict, config) -> bool:
+  """Greedy accuracy at the last evaluation `verdict.collapse` or more below step 0's."""
+  evals = run["evals"]
+  return "0" in evals and (evals[str(max(config.eval_steps))]["greedy"]
+                           <= evals["0"]["greedy"] - config.verdict.collapse)
+
+
+def tuned(config, runs: dict) -> str | None:
+  """The tuning's winning arm; None without tuning, before its runs have all finished,
+  or where every candidate collapsed."""
+  tuning = config.get("tuning")
+  if not tuning or _todo(runs, [(a, s) for a in tuning.arms for s in tuning.seeds]):
+    return None
+  scores = {arm: float(np.mean([auc(runs[arm, s], config.eval_steps) for s in tuning.seeds]))
+            for arm in tuning.arms
+            if not any(collapsed(runs[arm, s], config) for s in tuning.seeds)}
+  best = max(scores.values(), default=None)
+  return next((arm for arm in scores if scores[arm] >= best - tuning.tie), None)
+
+
+def resolve(config, runs: dict):
+  """`config` with `@tuned` in the arms' overrides replaced by the winner's overrides, a
+  later value of a key replacing an earlier one (itself until the tuning has a winner)."""
+  winner = tuned(config, runs)
+  if winner is None:
+    return config
+  chosen = arms(config)[winner][1]
+
+  def expand(overrides):
+    settings = {}
+    for kv in (kv for o in overrides for kv in (chosen if o == TUNED else (o,))):
+      key, value = kv.split("=", 1)
+      settings.pop(key, None)
+      settings[key] = value
+    return tuple(f"{k}={v}" for k, v in settings.items())
+  resolved = config.copy_and_resolve_references()
+  with resolved.unlocked():
+    resolved.arms = tuple((arm, variant, expand(overrides))
+                          for arm, variant, overrides in config.arms)
+  return resolved
 
 
 def healthy(run: dict, health) -> bool:
@@ -116,6 +175,14 @@ def _by_stages(config, runs: dict, pair) -> tuple[list, str | None, str]:
 
 def plan(config, runs: dict, exploratory: bool) -> tuple[list, str]:
   """The (arm, seed) runs the rules call for now, in order, and the study's state."""
+  tuning, winner = config.get("tuning"), tuned(config, runs)
+  if tuning:
+    todo = _todo(runs, [(arm, s) for s in tuning.seeds
+                        for arm in (config.primary[1], *tuning.arms)])
+    if todo:
+      return todo, "tuning"
+    if winner is None:
+      return [], "stopped after tuning: every candidate collapsed"
   first = config.stages[0]
   todo = _todo(runs, [(arm, s) for s in first
                       for arm in (*config.primary[::-1], *config.attribution)])
@@ -141,4 +208,5 @@ def plan(config, runs: dict, exploratory: bool) -> tuple[list, str]:
     todo = _todo(runs, [(arm, s) for arm in config.exploratory for s in first])
     if todo:
       return todo, "exploratory " + " ".join(config.exploratory)
-  return [], f"{state} (pairs {pairs[0]} - {pairs[1]})"
+  chosen = f"; tuned = {winner}" if winner else ""
+  return [], f"{state} (pairs {pairs[0]} - {pairs[1]}{chosen})"

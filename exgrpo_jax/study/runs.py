@@ -106,6 +106,7 @@ def summarize_run(config, wd: str, arm: str, seed: int) -> dict:
       # For reading by hand: answers right only by a "last number" accident.
       "correct_at_40": correct_samples(wd, step=max(config.eval_steps)),
       "arm": arm, "seed": seed, "commits": commits, "evals": evals,
+      "overrides": list(protocol.arms(config)[arm][1]),
       "health": {
           "buffered_at_10": int(rows[config.health.step].get("experience/questions", 0)),
           "replay_share_11_40": float(np.mean(replayed[late] / np.maximum(buffered[late], 1))),
