@@ -82,6 +82,7 @@ class _AffinePlanner(plan.Planner):
 
   def __init__(self, usable, slopes, fixed):  # pylint: disable=super-init-not-called
     self.usable, self.slopes, self.fixed, self.search = usable, slopes, fixed, []
+    self.ceiling, self.skipped = usable, []
 
   def compile(self, tensor, micro, max_rows, parts):
     peaks = {name: self.fixed[name] + slope * max_rows for name, slope in self.slopes.items()}
@@ -119,7 +120,7 @@ class _PoolPlanner(plan.Planner):
 
   def __init__(self, usable, fits, page_bytes, shards):  # pylint: disable=super-init-not-called
     self.usable, self.fits, self.page_bytes, self.shards = usable, fits, page_bytes, shards
-    self.search = []
+    self.ceiling, self.search, self.skipped = usable, [], []
 
   def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
     self.search.append((max_rows, kv_pages))
@@ -183,7 +184,27 @@ def test_where_64_reserved_rows_do_not_fit_64_slots_take_the_largest_pool_that_d
     (["--render", "{tmp}/list.json"],
      "--render {tmp}/list.json: not a plan (a JSON object written by this script)"),
     (["--render", "{tmp}/other.json"],
-     "--render: none of {tmp}/other.json is a plan (no 'config' key)"),
+     "--render: none of {tmp}/other.json is a plan (written by `exgrpo_jax.aot plan --out`)"),
+    # Another tool's JSON, even one with a 'config' key (a study report), is no plan.
+    (["--render", "{repo}/docs/results/study_lora.json", "{repo}/docs/results/bench_lora.json"],
+     "--render: none of {repo}/docs/results/study_lora.json, "
+     "{repo}/docs/results/bench_lora.json is a plan (written by `exgrpo_jax.aot plan --out`)"),
+    (["--config=configs/qwen7b_lora.py", "--target=v4-8", "--out={tmp}/o.json",
+      "--like={repo}/docs/results/bench_lora.json"],
+     "--like {repo}/docs/results/bench_lora.json: not a plan (written by "
+     "`exgrpo_jax.aot plan --out`)"),
+    # --like never hands on a verdict it did not compile: a plan that fits nothing has
+    # no settings to compile, and another target's settings are taken only when asked.
+    (["--config=configs/qwen7b_lora.py", "--target=v4-8", "--out={tmp}/o.json",
+      "--like={repo}/docs/results/aot_qwen7b_v4-8.json"],
+     "--like {repo}/docs/results/aot_qwen7b_v4-8.json: qwen7b fits nothing on v4-8, so it "
+     "has no settings to compile; search without --like"),
+    (["--config=configs/qwen7b_lora.py", "--target=v4-8", "--out={tmp}/o.json",
+      "--like={repo}/docs/results/aot_qwen7b_v5p-8.json"],
+     "--like {repo}/docs/results/aot_qwen7b_v5p-8.json: a plan for v5p-8, not v4-8 "
+     "(--like-any takes its settings anyway)"),
+    (["--config=configs/qwen7b.py", "--target=v5p-8", "--out={tmp}/o.json", "--like-any"],
+     "--like-any is read only with --like PLAN"),
     (["--config=configs/nosuch.py", "--target=v5p-8", "--out={tmp}/o.json"],
      "--config=configs/nosuch.py: no such file"),
     (["--config=configs/tiny.py", "--target=v5p-8", "--out={tmp}/o.json",
@@ -249,6 +270,7 @@ class _NothingFits(plan.Planner):
     self.check, self.spec_path, self.target = check, spec, target
     self.name = plan.config_name(spec)
     self.spec, self.usable, self.search = plan.targets.get(target), 15.75, []
+    self.margin, self.ceiling, self.skipped = 0.0, 15.75, []
 
   def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
     failure = f"learner_step did not compile: CompileTimeHbmOom: {40 - tensor} GiB needed"
@@ -280,3 +302,101 @@ def test_aot_cli_names_an_unreadable_target_config(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1] == (
       f"exgrpo_jax.aot: --target_config={tmp_path}/h100.pbtxt: No such file or directory")
+
+
+def test_like_refuses_a_plan_of_a_model_of_other_shapes(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(plan_cli.targets, "prepare_environment", lambda: None)
+  like = os.path.join(conftest.REPO_ROOT, "docs/results/aot_llama8b_lora_h100x1.json")
+  code = plan_cli.main(["--config=configs/qwen7b_lora.py", "--target=h100x1",
+                        f"--out={tmp_path}/o.json", f"--like={like}"])
+  assert code == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"exgrpo_jax.aot plan: --like {like}: a plan of a model of other shapes: layers 32 "
+      "(here 28), hidden 4096 (here 3584), heads 32 (here 28), kv_heads 8 (here 4), vocab "
+      "128256 (here 152064) "
+      "(--like-any takes its settings anyway)")
+  assert not (tmp_path / "o.json").exists()
+
+
+class _MarginPlanner(_AffinePlanner):
+  """`_AffinePlanner` whose compiles are judged as the check judges them
+  (`analysis.Result.fits`): within the usable memory less the target's margin."""
+
+  def __init__(self, usable, margin, slopes, fixed):  # pylint: disable=super-init-not-called
+    super().__init__(usable, slopes, fixed)
+    self.margin, self.ceiling = margin, usable - margin
+
+  def compile(self, tensor, micro, max_rows, parts):
+    from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
+    self.search.append(max_rows)
+    results = [analysis.Result(name, "", peak_bytes=int((self.fixed[name] + s * max_rows)
+                                                          * GIB),
+                               usable_bytes=int(self.usable * GIB),
+                               margin_bytes=int(self.margin * GIB))
+               for name, s in self.slopes.items()]
+    return dict(ok=all(r.fits for r in results), first_failure=None,
+                programs=[dict(name=r.name, error=None,
+                               device_peak_bytes=r.device_peak_bytes) for r in results])
+
+
+def test_rows_that_fit_only_inside_the_margin_are_never_chosen():
+  # An H100 at 0.95 of its memory (75.15 GiB) less the GPU margin (5%): 71.39 GiB.
+  usable = 75.15
+  margin = usable * plan.targets.MARGIN["cuda"]
+  planner = _MarginPlanner(usable, margin, dict(decode_chunk=0.25), dict(decode_chunk=20.0))
+  rows = planner.rollout(1, 1024, 8)
+  assert 20.0 + 0.25 * rows <= usable - margin < 20.0 + 0.25 * (rows + 8)
+  assert 20.0 + 0.25 * (rows + 8) <= usable  # the next count fits only without margin
+  assert rows == 200
+
+
+def test_a_program_inside_the_margin_is_reported_as_fitting_only_without_it():
+  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  result = analysis.Result("repage_layer", "", peak_bytes=int(73 * GIB),
+                           usable_bytes=int(75.15 * GIB), margin_bytes=int(3.76 * GIB))
+  assert not result.fits and result.fits_without_margin
+  assert check.failure_line(result) == (
+      "repage_layer fits only without margin: 73.00 GiB per device (its peak 73.00 + 0.00 "
+      "kept beside it) > 71.39 GiB (usable 75.15 less the margin of 3.76)")
+  result.peak_bytes = int(76 * GIB)
+  assert not result.fits and not result.fits_without_margin
+  assert check.failure_line(result).startswith("repage_layer does not fit: 76.00 GiB")
+
+
+class _CopyFails(_AffinePlanner):
+  """A rollout whose weights' copy fails at every row count (it does not depend on them)."""
+
+  def compile(self, tensor, micro, max_rows, parts):
+    self.search.append(max_rows)
+    return dict(ok=False, first_failure="rollout_copy does not fit: 15.77 GiB per device",
+                programs=[dict(name="rollout_copy", error=None,
+                               device_peak_bytes=15.77 * GIB)])
+
+
+def test_a_failure_at_the_fewest_rows_ends_the_rollout_search_in_one_compile():
+  planner = _CopyFails(15.75, {}, {})
+  assert planner.rollout(2, 1024, 8) == 0
+  assert planner.search == [64]
+  assert planner.skipped == [dict(tensor=2, reason="rollout at 64 rows: rollout_copy does "
+                                  "not fit: 15.77 GiB per device", compiles=127)]
+
+
+class _SilentOom(_AffinePlanner):
+  """Affine peaks, but a program over the memory fails to compile with an error that
+  does not say how much it needed, so the first guess is no help."""
+
+  def compile(self, tensor, micro, max_rows, parts):
+    result = super().compile(tensor, micro, max_rows, parts)
+    for p in result["programs"]:
+      if p["device_peak_bytes"] > self.usable * GIB:
+        p["error"] = "XlaRuntimeError: RESOURCE_EXHAUSTED"
+    return result
+
+
+def test_the_rollout_search_bisects_instead_of_walking_down():
+  # qwen7b_lora on a v5e-8 at 1 x 4: `empty` grows 0.062 GiB a row, 152 rows fit.
+  planner = _SilentOom(15.75, dict(empty=0.062), dict(empty=6.3))
+  assert planner.rollout(4, 1024, 8) == 152
+  assert len(planner.search) <= 10  # a walk down from 1,024 in steps of 64 took 16
+  assert len(planner.search) == len(set(planner.search))

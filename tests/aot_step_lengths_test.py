@@ -164,3 +164,31 @@ def test_slots_compiles_the_plans_choice_with_that_many_slots_over_its_pool(monk
   assert result["chosen"]["kv_pages"] == plan_lib.capacity_pages(like) == pages
   assert result["verdict"] == ("fits: --config.mesh.shape='(1, 4)' "
                                f"--config.rollout.max_rows=704 --config.rollout.kv_pages={pages}")
+
+
+def test_the_plans_mid_step_is_one_figure_in_its_json_render_and_estimate(monkeypatch):
+  """The plan JSON's `settled[].mid_step_s`, `--render`'s mid step and `--estimate`'s
+  admitting mid step are one figure: the step as compiled, every part at the mid lengths."""
+  from exgrpo_jax.aot import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import plan_cli  # pylint: disable=g-import-not-at-top
+  like = _plan("qwen7b_v5p-8")
+
+  class _Planner(plan_lib.Planner):
+    def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+      return dict(like["report"], ok=True, first_failure=None)
+
+  monkeypatch.setattr(plan_lib, "Planner", _Planner)
+  monkeypatch.setattr(plan_lib, "pool_bound", lambda report: 0)  # keep the compiled pool
+  result = plan_lib.plan("configs/qwen7b.py", "v5p-8", like)
+  json_s = result["settled"][0]["mid_step_s"]
+  mid = lengths.scenario("mid", 8192, 1024)
+  step = step_lengths.plan_step(like, mid, 0.1)
+  assert json_s == pytest.approx(step["total_s"], rel=1e-12)
+  assert step["learner_s"] < like["report"]["step_estimate"]["learner_s"]  # not at the cap
+  row = next(l for l in step_lengths.step_table([("qwen7b", like)]).splitlines()
+             if "| mid |" in l)
+  assert row.split(" | ")[8] == f"{json_s:.0f}"  # "admitting, step s"
+  rendered = next(l for l in plan_cli.render([os.path.join(
+      conftest.REPO_ROOT, "docs/results/aot_qwen7b_v5p-8.json")]).splitlines()
+                  if l.startswith("| qwen7b | v5p-8 | 528 |"))
+  assert rendered.rstrip(" |").split(" | ")[-1] == f"{json_s:.0f}"

@@ -59,7 +59,8 @@ def table(report: dict) -> str:
       continue
     collectives = " ".join(f"{k}:{v}" for k, v in sorted(p["collectives"].items())) or "-"
     rows.append((
-        p["name"] + ("" if p["fits"] else " (!)"), f"{p['compile_s']:.1f}",
+        p["name"] + ("" if p["fits"] else " (margin)" if p["fits_without_margin"]
+                     else " (!)"), f"{p['compile_s']:.1f}",
         f"{p['peak_bytes'] / GIB:.2f}", f"{p['device_peak_bytes'] / GIB:.2f}",
         f"{p['usable_bytes'] / GIB:.2f}",
         f"{p['argument_bytes'] / GIB:.2f}", f"{p['temp_bytes'] / GIB:.2f}",

@@ -58,6 +58,7 @@ class Result:
   largest_copy_bytes: int = 0  # its largest `copy` instruction's output
   resident_bytes: int = 0  # on the devices beside the program (`Program.resident`)
   usable_bytes: int = 0
+  margin_bytes: int = 0  # kept free below usable_bytes (`targets.MARGIN`)
   xla_flops: float = 0.0
   xla_bytes: float = 0.0
   flops_per_device: float = 0.0
@@ -74,7 +75,14 @@ class Result:
 
   @property
   def fits(self) -> bool:
-    return not self.error and self.device_peak_bytes <= self.usable_bytes
+    """Within the usable memory less the margin: what a plan may choose."""
+    return not self.error and self.device_peak_bytes <= self.usable_bytes - self.margin_bytes
+
+  @property
+  def fits_without_margin(self) -> bool:
+    """Within the usable memory but not its margin: never chosen."""
+    return (not self.error and not self.fits
+            and self.device_peak_bytes <= self.usable_bytes)
 
 
 def _subjaxprs(value):

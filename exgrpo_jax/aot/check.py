@@ -67,6 +67,7 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   """Traces, lowers and compiles `program`; records its figures in a Result."""
   result = analysis.Result(program.name, program.purpose,
                            usable_bytes=targets.usable_bytes(target),
+                           margin_bytes=targets.margin_bytes(target),
                            calls_per_step=program.calls)
   try:
     args = program.args(outputs)
@@ -192,7 +193,9 @@ def report(config, cfg, target_name, target, mesh, results, slices, step_names,
                  mini_batches=config.optim.mini_batches, packing=config.train.packing,
                  max_rows=config.rollout.max_rows, kv_pages=config.rollout.kv_pages),
       programs=[dataclasses.asdict(r) | dict(device_peak_bytes=r.device_peak_bytes,
-                                             fits=r.fits) for r in results],
+                                             fits=r.fits,
+                                             fits_without_margin=r.fits_without_margin)
+                for r in results],
       partial=partial, ok=failed is None,
       first_failure=None if failed is None else failure_line(failed),
       step_estimate=step, step_estimate_lacks=lacking)
@@ -202,9 +205,14 @@ def failure_line(result: analysis.Result) -> str:
   """One line naming the program that does not compile or fit, with peak and limit."""
   if result.error:
     return f"{result.name} did not compile: {result.error}"
-  return (f"{result.name} does not fit: {result.device_peak_bytes / GIB:.2f} GiB per device "
-          f"(its peak {result.peak_bytes / GIB:.2f} + {result.resident_bytes / GIB:.2f} kept "
-          f"beside it) > usable {result.usable_bytes / GIB:.2f} GiB")
+  need = (f"{result.device_peak_bytes / GIB:.2f} GiB per device (its peak "
+          f"{result.peak_bytes / GIB:.2f} + {result.resident_bytes / GIB:.2f} kept beside it)")
+  if result.fits_without_margin:
+    return (f"{result.name} fits only without margin: {need} > "
+            f"{(result.usable_bytes - result.margin_bytes) / GIB:.2f} GiB (usable "
+            f"{result.usable_bytes / GIB:.2f} less the margin of "
+            f"{result.margin_bytes / GIB:.2f})")
+  return f"{result.name} does not fit: {need} > usable {result.usable_bytes / GIB:.2f} GiB"
 
 
 def save(report_: dict, path: str) -> None:

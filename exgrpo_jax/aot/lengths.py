@@ -249,23 +249,18 @@ def today_estimate(plan: dict, lengths_R) -> dict:
   return rollout_estimate(plan["report"], lengths_R, slots=reserved)
 
 
-def admitting_estimate(plan: dict, lengths_R, headroom: float,
-                       today: dict | None = None) -> dict:
-  """`rollout_estimate` with admission: at the plan's compiled slots and
-  `rollout.kv_pages` where it was planned with them, else at the best slot count over
-  today's pool (`best_slots`; `today`, where already estimated)."""
-  if plan.get("chosen", {}).get("reserved_rows"):
-    return rollout_estimate(plan["report"], lengths_R, headroom=headroom)
-  return best_slots(plan["report"], lengths_R, headroom, today)
+def admitting_estimate(plan: dict, lengths_R, headroom: float) -> dict:
+  """`rollout_estimate` of the plan as compiled: its slots over its pool
+  (`rollout.kv_pages`, else every slot's row at its longest), admitting rows as pages
+  free with `headroom` kept (`best_slots` is what other slot counts would do)."""
+  return rollout_estimate(plan["report"], lengths_R, headroom=headroom)
 
 
 def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
   """Markdown: per plan, the rollout's roofline seconds as compiled (every row at the
   cap, `check.step_estimate`) and simulated at each distribution (`distributions`), in
-  today's slots (a pool of every slot's row at its longest) and with admission (seconds,
-  preemptions in brackets, slots after the @): at the plan's compiled slots and
-  `rollout.kv_pages` where it was planned with them (`chosen.reserved_rows`: today's
-  slots), else at the best slot count over today's pool (`best_slots`)."""
+  today's slots (a pool of every slot's row at its longest) and with admission as
+  compiled (`admitting_estimate`: seconds, preemptions in brackets, slots after the @)."""
   lines = []
   for name, plan in plans:
     b = plan["report"]["batch"]
@@ -277,8 +272,7 @@ def table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
                            *(f"admitting, {d} s" for d in dists)]) + " |",
                "|" + "---|" * (4 + 2 * len(dists))]
     today = [today_estimate(plan, d) for d in dists.values()]
-    admitting = [admitting_estimate(plan, d, headroom, t)
-                 for d, t in zip(dists.values(), today)]
+    admitting = [admitting_estimate(plan, d, headroom) for d in dists.values()]
     lines.append(" | ".join([
         f"| {name} | {plan['target']} | {b['max_rows']}",
         f"{plan['report']['step_estimate']['rollout_s']:.0f}",

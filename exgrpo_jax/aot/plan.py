@@ -42,6 +42,20 @@ STEP = 64
 ADMISSION_TRIES = 4  # compiles of the capacity, each lowered by what the last lacked
 
 
+def is_plan(data) -> bool:
+  """Whether a JSON value is a plan this module wrote (not another tool's JSON)."""
+  return isinstance(data, dict) and {"config", "target", "fits", "usable_gib",
+                                     "verdict"} <= set(data)
+
+
+def margin_gib(plan_: dict) -> float:
+  """The memory a plan keeps free below its usable memory (`targets.MARGIN`); plans
+  written before margins were kept have it from their target's platform."""
+  if "margin_gib" in plan_:
+    return plan_["margin_gib"]
+  return plan_["usable_gib"] * targets.MARGIN[targets.get(plan_["target"]).platform]
+
+
 def config_name(spec: str) -> str:
   """A config's short name, `configs/qwen7b.py[:ARG]` -> `qwen7b[:ARG]`."""
   path, _, arg = spec.partition(":")
@@ -60,9 +74,14 @@ def _config(spec: str, tensor: int, devices: int, micro: int, max_rows: int,
 
 
 def _peaks(report: dict) -> dict:
-  """Each program's device peak (GiB), or None where it failed to compile."""
-  return {p["name"]: (None if p["error"] else p["device_peak_bytes"] / GIB)
-          for p in report["programs"]}
+  """Each program's device peak (GiB); where it failed to compile, what its error says
+  it needed, or None where the error does not say."""
+  def peak(p):
+    if not p["error"]:
+      return p["device_peak_bytes"] / GIB
+    need = _need(p["error"])
+    return None if math.isinf(need) else need
+  return {p["name"]: peak(p) for p in report["programs"]}
 
 
 def _need(failure: str) -> float:
@@ -80,7 +99,9 @@ class Planner:
     self.name = config_name(spec)
     self.spec = targets.get(target)
     self.usable = targets.usable_bytes(self.spec) / GIB
-    self.search = []
+    self.margin = targets.margin_bytes(self.spec) / GIB
+    self.ceiling = self.usable - self.margin  # what a chosen program may peak at
+    self.search, self.skipped = [], []
 
   def compile(self, tensor, micro, max_rows, parts, kv_pages=0) -> dict:
     config = _config(self.spec_path, tensor, self.spec.devices, micro, max_rows, kv_pages)
@@ -95,46 +116,73 @@ class Planner:
     return report
 
   def learner(self, tensor: int, micro: int) -> int:
-    """The largest micro-batch (halving from `micro`) whose learner programs fit; 0: none."""
+    """The largest micro-batch (halving from `micro`) whose learner programs fit; 0: none.
+    A failure whose need does not shrink with the micro-batch (the parameters and
+    optimizer state alone) ends the halving."""
+    need = math.inf
     while micro >= 1:
-      if self.compile(tensor, micro, STEP, ("learner",))["ok"]:
+      report = self.compile(tensor, micro, STEP, ("learner",))
+      if report["ok"]:
         return micro
-      micro //= 2
+      now = max((v for v in _peaks(report).values() if v is not None), default=math.inf)
+      if math.isfinite(now) and now >= need:
+        self._skip(tensor, f"learner: {now:.2f} GiB at micro-batch {micro} as at "
+                   f"{2 * micro}", int(math.log2(micro)))
+        return 0
+      need, micro = now, micro // 2
     return 0
 
   def rollout(self, tensor: int, rows: int, unit: int) -> int:
-    """The most rows per call (a multiple of `unit`, at most `rows`) that fit; 0: none."""
+    """The most rows per call (a multiple of `unit`, at most `rows`) that fit; 0: none.
+    Fewer rows than STEP are not searched, so a failure at STEP ends it (a program
+    whose peak does not move with the rows, the weights' copy, fails at every count);
+    otherwise each program's peak, affine in the rows, points at the first count to
+    compile, and the search bisects from there: in steps of STEP, then of `unit`."""
     seen = {}
 
     def peaks(n):
       if n not in seen:
         report = self.compile(tensor, 1, n, ("rollout",))
-        seen[n] = report["ok"], _peaks(report)
+        seen[n] = report["ok"], _peaks(report), report["first_failure"]
       return seen[n]
 
     fits = lambda n: peaks(n)[0]
-    guess = _largest(peaks(STEP)[1], peaks(4 * STEP)[1], STEP, 4 * STEP, self.usable, rows,
-                     STEP)
-    if guess is None:
+    if not fits(STEP):
+      self._skip(tensor, f"rollout at {STEP} rows: {peaks(STEP)[2]}", rows // unit - 1)
       return 0
-    while guess > STEP and not fits(guess):
-      guess -= STEP
-    if guess == STEP and not fits(STEP):
-      return 0
-    while guess + STEP <= rows and fits(guess + STEP):  # the estimate was low
-      guess += STEP
-    top = min(guess + STEP, rows)
-    if top == guess or fits(top):
-      return top
-    # The largest multiple of `unit` below `top` (which does not fit), from the two peaks.
-    fine = _largest(peaks(guess)[1], peaks(top)[1], guess, top, self.usable, top - unit,
-                    unit)
-    fine = max(guess, fine)
-    while fine > guess and not fits(fine):
-      fine -= unit
-    while fine + unit < top and fits(fine + unit):
-      fine += unit
-    return fine
+    guess = _largest(peaks(STEP)[1], peaks(4 * STEP)[1], STEP, 4 * STEP, self.ceiling,
+                     rows, STEP)
+    best = self._bisect(fits, STEP, rows // STEP * STEP, STEP, guess)
+    failed = min([n for n, (ok, *_) in seen.items() if not ok and n > best], default=None)
+    top = min(failed or rows + unit, best + STEP, rows + unit) - unit
+    if top > best:
+      fine = top if failed is None else _largest(peaks(best)[1], peaks(failed)[1], best,
+                                                  failed, self.ceiling, top, unit)
+      best = self._bisect(fits, best, top, unit, fine)
+    counts = {n for n in range(STEP, rows + 1, unit)}
+    self._skip(tensor, f"rollout: bisected to {best} rows", len(counts - set(seen)))
+    return best
+
+  @staticmethod
+  def _bisect(fits, low: int, high: int, unit: int, guess: int) -> int:
+    """The largest `low + j * unit` at most `high` that fits (`low` does; fitting only
+    gets harder with more rows): `guess` and the count above it compiled first, then
+    halving what is left."""
+    grid = lambda n: low + max(0, min(n, high) - low) // unit * unit
+    for probe in (grid(guess), grid(guess) + unit):
+      if low < probe <= high:
+        if not fits(probe):
+          high = probe - unit
+          break
+        low = probe
+    while low < high:
+      mid = low + ((high - low) // unit + 1) // 2 * unit
+      low, high = (mid, high) if fits(mid) else (low, mid - unit)
+    return low
+
+  def _skip(self, tensor: int, reason: str, counts: int) -> None:
+    """Records settings the search did not compile because `reason` decides them."""
+    self.skipped.append(dict(tensor=tensor, reason=reason, compiles=counts))
 
 
   def admission(self, best: dict, reserved: dict, headroom: float):
@@ -167,9 +215,70 @@ class Planner:
   def _lacking(self, report: dict, page_bytes: float, per_shard: int) -> int:
     """The pages per batch shard a failed compile's costliest program lacked (a tenth
     of `per_shard` where its error does not say how much)."""
-    over = max((p["device_peak_bytes"] - p["usable_bytes"] if not p["error"]
-                else (_need(p["error"]) - self.usable) * GIB) for p in report["programs"])
+    over = max((p["device_peak_bytes"] - self.ceiling * GIB if not p["error"]
+                else (_need(p["error"]) - self.ceiling) * GIB) for p in report["programs"])
     return math.ceil(max(over, 0) / page_bytes) + 1 if math.isfinite(over) else per_shard // 10
+
+  def like(self, like: dict, headroom: float) -> tuple[dict, dict]:
+    """`like`'s choice compiled for this config (the micro-batch halved while the
+    learner does not fit), then its pool moved to what that compile holds (`readmit`):
+    (the last report, its settings)."""
+    c = like["chosen"]
+    tensor, micro = c["tensor"], c["micro_batch_size"]
+    pages, slots = capacity_pages(like), c["max_rows"]
+    while True:
+      report = self.compile(tensor, micro, slots, ("learner", "rollout"), kv_pages=pages)
+      learner_ok = all(p["fits"] for p in report["programs"]
+                       if p["name"] in self.check.LEARNER)
+      if learner_ok or micro == 1:
+        break
+      micro //= 2
+    best = dict(tensor=tensor, micro_batch_size=micro, max_rows=slots, kv_pages=pages,
+                reserved_rows=c.get("reserved_rows", slots))
+    if not learner_ok:
+      return report, best
+    found = self.readmit(best, report, headroom)
+    if found is None:
+      return report, best
+    report, slots, pages = found
+    from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+    per_row = lengths.row_pages(report)
+    best.update(max_rows=slots, kv_pages=pages,
+                reserved_rows=min(best["reserved_rows"], pages // per_row))
+    return report, best
+
+  def readmit(self, best: dict, report: dict, headroom: float):
+    """A compiled step's pool (`report`, at `best`'s slots and `kv_pages`) moved to the
+    pages the memory holds beside its decode (`pool_bound`), its slots those that cost
+    least at the mid scenario over them (`lengths.best_slots`, `best`'s or more), and
+    the pages lowered by what the costliest program lacked until every program fits.
+    Where the compile fits and the bound is not above its pool, nothing is compiled.
+    Returns (report, slots, pages), or None where nothing fits."""
+    from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+    b = report["batch"]
+    shards, page_bytes = lengths.kv_layout(report)
+    per_row, pages, slots = lengths.row_pages(report), best["kv_pages"], best["max_rows"]
+    fitting = (report, slots, pages) if report["ok"] else None
+    bound = int(pool_bound(report) * per_row) // shards * shards
+    if fitting and bound <= pages:
+      return fitting
+    dists = lengths.distributions(b["response_tokens"], b["questions"] * b["k"])
+    mid = dists.pop("mid")
+    floor = pages + shards if fitting else per_row * shards  # a fitting pool or more
+    pages = bound
+    for _ in range(ADMISSION_TRIES):
+      if pages < floor:
+        break
+      today = lengths.rollout_estimate(report, mid, slots=best["max_rows"], capacity=pages,
+                                       headroom=headroom)
+      slots = lengths.best_slots(report, mid, headroom, today, capacity=pages,
+                                 also=dists.values())["slots"]
+      trial = self.compile(best["tensor"], best["micro_batch_size"], slots,
+                           ("learner", "rollout"), kv_pages=pages)
+      if trial["ok"]:
+        return trial, slots, pages
+      pages -= self._lacking(trial, page_bytes, pages // shards) * shards
+    return fitting
 
   def bounded(self, tensor: int, micro: int) -> tuple[dict, int, int] | None:
     """Where not even STEP slots fit with every row's pages reserved at its longest:
@@ -239,7 +348,8 @@ def with_slots(spec: str, target: str, like: dict, slots: int) -> dict:
   final = planner.compile(c["tensor"], c["micro_batch_size"], slots, ("learner", "rollout"),
                           kv_pages=best["kv_pages"])
   flags = _flags(planner.spec.devices, best, base)
-  return dict(config=spec, target=target, usable_gib=planner.usable, candidates=[],
+  return dict(config=spec, target=target, usable_gib=planner.usable,
+              margin_gib=planner.margin, like_target=like["target"], candidates=[],
               search=planner.search, searched_as=like["config"], slots_of=like["chosen"],
               fits=final["ok"], chosen=dict(best, flags=flags), report=final,
               verdict=final["first_failure"] or f"fits: {flags}")
@@ -248,10 +358,12 @@ def with_slots(spec: str, target: str, like: dict, slots: int) -> dict:
 def plan(spec: str, target: str, like: dict | None = None,
          meshes: tuple[int, ...] = ()) -> dict:
   """The search and the chosen settings' report for the config file `spec`
-  (`FILE.py[:ARG]`); `like` (another config's plan on the same target, with the same
-  shapes) skips the search and takes its choice, or its candidates of tensor sizes
-  `meshes` (the mesh is then chosen among them). `fits` is False where nothing fits,
-  and `verdict` says why."""
+  (`FILE.py[:ARG]`). `like`, a fitting plan of a config of the same shapes on this
+  target (its own included), skips the search: its choice is compiled for `spec` and
+  its pool moved to what this config's compile holds (`Planner.readmit`); with
+  `meshes`, its candidates of those tensor sizes are settled and the mesh chosen among
+  them. Every verdict comes from a compile of `spec`. `fits` is False where nothing
+  fits, and `verdict` says why."""
   planner = Planner(spec, target)
   name = planner.name
   base = config_cli.load(spec)
@@ -267,77 +379,72 @@ def plan(spec: str, target: str, like: dict | None = None,
     candidates.append(dict(tensor=tensor, micro_batch_size=micro, max_rows=max_rows))
   fitting = [c for c in candidates if c["micro_batch_size"] and c["max_rows"]]
   result = dict(config=spec, target=target, usable_gib=planner.usable,
-                candidates=candidates, search=planner.search,
-                searched_as=like["config"] if like else None)
+                margin_gib=planner.margin, candidates=candidates, search=planner.search,
+                skipped=planner.skipped, searched_as=like["config"] if like else None,
+                like_target=like["target"] if like else None)
   if like and meshes:
     fitting = [dict(tensor=c["tensor"], micro_batch_size=c["micro_batch_size"],
                     max_rows=c["max_rows"]) for c in like["candidates"]
                if c["tensor"] in meshes and c["micro_batch_size"] and c["max_rows"]]
-  elif like and like["fits"]:
-    fitting = [dict(tensor=like["chosen"]["tensor"],
-                    micro_batch_size=like["chosen"]["micro_batch_size"],
-                    max_rows=like["chosen"].get("reserved_rows", like["chosen"]["max_rows"]))]
-  if like and not fitting:
-    return dict(result, fits=False, verdict=f"{name}, as {like['config']}: {like['verdict']}")
-  # Another config's admission is taken as it is; a plan's own is planned again.
-  other = like and like["fits"] and not meshes and like["config"] != result["config"]
-  chosen = like["chosen"] if other else {}
-  settled = [_settle(planner, c, base, chosen) for c in fitting]
-  if not fitting:  # STEP slots over a pool smaller than their rows at the longest
+  if like and not meshes:
+    settled = [planner.like(like, base.rollout.kv_headroom)]
+  else:
+    settled = [_settle(planner, c, base) for c in fitting]
+  if not fitting and not like:  # STEP slots over a pool smaller than their rows at the longest
     for c in (c for c in candidates if c["micro_batch_size"]):
       found = planner.bounded(c["tensor"], c["micro_batch_size"])
       if found:
         report, pages, rows = found
         settled.append((report, dict(c, max_rows=STEP, reserved_rows=rows, kv_pages=pages)))
+  settled = [s for s in settled if s[0]["ok"]]
   if not settled:
     least = min((s for s in planner.search if s["first_failure"]),
                 key=lambda s: _need(s["first_failure"]))
     return dict(result, fits=False, verdict=(
-        f"{name} does not fit {target} at any mesh or micro-batch; the least: mesh "
+        f"{name} does not fit {target} at any mesh or micro-batch"
+        f"{' tried' if like else ''}; the least: mesh "
         f"{planner.spec.devices // least['tensor']} x {least['tensor']}, micro-batch "
         f"{least['micro_batch_size']}: {least['first_failure']}"))
-  mid_s = [_mid_step_s(report, base.rollout.kv_headroom) for report, _ in settled]
+  mid_s = [mid_step_s(dict(report=report, chosen=s), base.rollout.kv_headroom)
+           for report, s in settled]
   final, best = settled[mid_s.index(min(mid_s))]
   flags = _flags(planner.spec.devices, best, base)
-  return dict(result, fits=final["ok"], chosen=dict(best, flags=flags), report=final,
-              verdict=final["first_failure"] or f"fits: {flags}",
+  return dict(result, fits=True, chosen=dict(best, flags=flags), report=final,
+              verdict=f"fits: {flags}",
               settled=[dict(s, mid_step_s=m) for (_, s), m in zip(settled, mid_s)])
 
 
-def _settle(planner, candidate: dict, base, chosen: dict) -> tuple[dict, dict]:
+def _settle(planner, candidate: dict, base) -> tuple[dict, dict]:
   """A mesh's whole step compiled at its reserved rows, then with admission
-  (`Planner.admission`), or at `chosen`'s slots and pages (a `--like` plan's):
-  (its report, its settings with `reserved_rows` and `kv_pages`, 0 without admission)."""
+  (`Planner.admission`): (its report, its settings with `reserved_rows` and `kv_pages`,
+  0 without admission)."""
   best = dict(candidate, reserved_rows=candidate["max_rows"], kv_pages=0)
-  if chosen.get("kv_pages"):  # the other config's admission, compiled as it is
-    final = planner.compile(best["tensor"], best["micro_batch_size"], chosen["max_rows"],
-                            ("learner", "rollout"), kv_pages=chosen["kv_pages"])
-    admitted = final, chosen["max_rows"], chosen["kv_pages"]
-  else:
-    final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
-                            ("learner", "rollout"))
-    admitted = final["ok"] and planner.admission(best, final, base.rollout.kv_headroom)
+  final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
+                          ("learner", "rollout"))
+  admitted = final["ok"] and planner.admission(best, final, base.rollout.kv_headroom)
   if admitted:
     final, slots, pages = admitted
     best.update(max_rows=slots, kv_pages=pages)
   return final, best
 
 
-def _mid_step_s(report: dict, headroom: float) -> float:
-  """A compiled step's roofline seconds with its rollout at the mid length scenario
-  (`lengths.rollout_estimate` at its slots and pages; inf where it does not fit)."""
+def mid_step_s(plan_: dict, headroom: float) -> float:
+  """A plan's step as compiled at the mid length scenario (`step_lengths.plan_step`: the
+  rollout admitting in its slots over its pool, the recompute and the learner at the
+  same lengths); inf where it does not fit."""
   from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import step_lengths  # pylint: disable=g-import-not-at-top
+  report = plan_["report"]
   if not report["ok"]:
     return math.inf
-  b, est = report["batch"], report["step_estimate"]
+  b = report["batch"]
   mid = lengths.scenario("mid", b["response_tokens"], b["questions"] * b["k"])
-  return (lengths.rollout_estimate(report, mid, headroom=headroom)["rollout_s"]
-          + est["old_logp_recompute_s"] + est["learner_s"])
+  return step_lengths.plan_step(plan_, mid, headroom)["total_s"]
 
 
 def pool_bound(report: dict) -> float:
   """Rows per call the pool leaves room for (an estimate from the compiler's figures): the
-  usable memory less decode_chunk's device peak without its pool (what stays resident,
+  usable memory less the margin and decode_chunk's device peak without its pool (what stays resident,
   the rollout's weights, the decode's temporaries), over a full-length row's KV bytes
   per device (`lengths.kv_layout`: whole pages, rows split by the batch axes)."""
   from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
@@ -348,6 +455,6 @@ def pool_bound(report: dict) -> float:
   decode = next(p for p in report["programs"] if p["name"] == "decode_chunk")
   pool_pages = b.get("kv_pages") or b["max_rows"] * per_row  # as compiled
   fixed = decode["device_peak_bytes"] - pool_pages / shards * page_bytes
-  return (decode["usable_bytes"] - fixed) / row_bytes
+  return (decode["usable_bytes"] - decode.get("margin_bytes", 0) - fixed) / row_bytes
 
 

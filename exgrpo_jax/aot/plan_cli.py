@@ -28,9 +28,11 @@ from exgrpo_jax import cli
 from exgrpo_jax import config_cli
 from exgrpo_jax.aot import plan as plan_lib
 from exgrpo_jax.aot import targets
+from exgrpo_jax.sampling import pages
 
 GIB = plan_lib.GIB
 PROG = "exgrpo_jax.aot plan"
+HEADROOM = pages.KV_HEADROOM  # the configs' rollout.kv_headroom
 
 
 def decode_step_bytes(report: dict) -> float:
@@ -60,22 +62,23 @@ def render(paths) -> str:
   step with them, the HBM bytes of one decode step (`decode_step_bytes`) and the
   prefill's part of the rollout (`prefill_seconds`)."""
   lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | kv_pages "
-           "| pool bound | learner peak | rollout peak (program) | usable |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| pool bound | learner peak | rollout peak (program) | usable | margin |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   estimates = ["| config | target | rows per call | decode GiB per step | rollout s "
-               "| of it prefill s | old-log-prob recompute s | learner s | step s |",
-               "|---|---|---|---|---|---|---|---|---|"]
+               "| of it prefill s | old-log-prob recompute s | learner s | step s "
+               "| mid step s |", "|---|---|---|---|---|---|---|---|---|---|"]
   verdicts = []
   plans = []
   for path in paths:
     with open(path, encoding="utf-8") as f:
       p = json.load(f)
-    if "config" in p:  # not a plan (aot_accelerator_learner.json)
+    if plan_lib.is_plan(p):  # others are skipped (aot_accelerator_learner.json)
       plans.append((plan_lib.config_name(p["config"]), p))
   for name, p in sorted(plans, key=lambda t: (t[0], t[1]["target"])):
+    margin = f"{plan_lib.margin_gib(p):.2f}"
     if not p["fits"] or "report" not in p:
       lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | | | "
-                   f"| {p['usable_gib']:.2f} |")
+                   f"| {p['usable_gib']:.2f} | {margin} |")
       verdicts.append(f"- {p['verdict']}")
       continue
     programs = {q["name"]: q for q in p["report"]["programs"]}
@@ -88,12 +91,12 @@ def render(paths) -> str:
         f"| {c.get('kv_pages') or 'all rows'} | {plan_lib.pool_bound(p['report']):.0f} "
         f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
         f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
-        f"| {p['usable_gib']:.2f} |")
+        f"| {p['usable_gib']:.2f} | {margin} |")
     estimates.append(f"| {name} | {p['target']} | {c['max_rows']} "
                      f"| {decode_step_bytes(p['report']) / GIB:.2f} | {est['rollout_s']:.0f} "
                      f"| {prefill_seconds(p['report']):.1f} "
                      f"| {est['old_logp_recompute_s']:.0f} | {est['learner_s']:.0f} "
-                     f"| {est['total_s']:.0f} |")
+                     f"| {est['total_s']:.0f} | {plan_lib.mid_step_s(p, HEADROOM):.0f} |")
   return "\n".join(lines + ([""] + verdicts if verdicts else []) + [""] + estimates)
 
 
@@ -122,6 +125,37 @@ def _read_plan(parser, flag: str, path: str) -> dict:
   return plan_
 
 
+def _check_like(parser, args, like: dict) -> None:
+  """`--like` takes a plan that fits (with --meshes, one with candidates), of this
+  target unless --like-any; it never hands on a verdict it did not compile."""
+  if not plan_lib.is_plan(like):
+    parser.error(f"--like {args.like}: not a plan (written by `{PROG} --out`)")
+  if like["target"] != args.target and not args.like_any:
+    parser.error(f"--like {args.like}: a plan for {like['target']}, not {args.target} "
+                 "(--like-any takes its settings anyway)")
+  if not like["fits"] and not args.meshes:
+    parser.error(f"--like {args.like}: {plan_lib.config_name(like['config'])} fits nothing "
+                 f"on {like['target']}, so it has no settings to compile; search without "
+                 "--like")
+
+
+def _check_shapes(args, like: dict) -> None:
+  """A plan of a model of other shapes is refused unless --like-any (after the
+  compilers' environment is set: reading the model's shapes imports JAX)."""
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  if "report" not in like:
+    return
+  cfg = check.model_config(config_cli.load(args.config))
+  mine = dict(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
+              kv_heads=cfg.num_kv_heads, vocab=cfg.vocab_size)
+  theirs = {k: like["report"]["model"][k] for k in mine}
+  if mine != theirs:
+    differ = ", ".join(f"{k} {theirs[k]} (here {mine[k]})" for k in mine
+                       if mine[k] != theirs[k])
+    raise cli.UsageError(f"--like {args.like}: a plan of a model of other shapes: {differ} "
+                         "(--like-any takes its settings anyway)")
+
+
 def _estimates(parser, args, plans: dict) -> str:
   """`lengths.table` of the fitting plans, or one line naming the bad length argument."""
   from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
@@ -148,8 +182,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--config", help="a config file, FILE.py[:ARG] (search)")
   parser.add_argument("--target", choices=list(targets.TARGETS), help="search")
   parser.add_argument("--out", help="search: write the plan here (JSON)")
-  parser.add_argument("--like", help="search: a plan JSON of a config with the same "
-                      "shapes on the same target: compile its choice instead of searching")
+  parser.add_argument("--like", help="search: a fitting plan JSON of a config with the "
+                      "same model shapes on the same target (this config's own included): "
+                      "compile its choice for this config instead of searching")
+  parser.add_argument("--like-any", action="store_true", help="with --like: take a plan "
+                      "of another target or of a model of other shapes too")
   parser.add_argument("--meshes", help="with --like: settle these of its candidates "
                       "(tensor sizes, e.g. 4,8) and choose among them")
   parser.add_argument("--slots", type=cli.positive_int, help="with --like: compile its "
@@ -174,7 +211,7 @@ def _refuse_ignored(parser, args) -> None:
   given = lambda *names: [f"--{n.replace('_', '-')}" for n in names
                           if getattr(args, n) not in (None, False)]
   if args.render:
-    extra = given("config", "target", "out", "like", "meshes", "slots")
+    extra = given("config", "target", "out", "like", "like_any", "meshes", "slots")
     if extra:
       parser.error(f"{extra[0]} searches; --render only renders plans: give one or the other")
   else:
@@ -185,6 +222,8 @@ def _refuse_ignored(parser, args) -> None:
     extra = given("lengths", "mean", "cap_share")
     if extra:
       parser.error(f"{extra[0]} is read only with --estimate")
+  if args.like_any and not args.like:
+    parser.error("--like-any is read only with --like PLAN")
   if args.cap_share is not None and args.mean is None:
     parser.error("--cap-share is read only with --mean")
   if args.lengths and args.mean is not None:
@@ -200,8 +239,9 @@ def main(argv=None) -> int:
   if args.render:
     paths = _plan_files(parser, args.render)
     plans = {path: _read_plan(parser, "--render", path) for path in paths}
-    if not any("config" in p for p in plans.values()):
-      parser.error(f"--render: none of {', '.join(paths)} is a plan (no 'config' key)")
+    if not any(plan_lib.is_plan(p) for p in plans.values()):
+      parser.error(f"--render: none of {', '.join(paths)} is a plan (written by "
+                   f"`{PROG} --out`)")
     print(render(paths))
     if args.estimate:
       print("\n" + _estimates(parser, args, plans))
@@ -212,6 +252,8 @@ def main(argv=None) -> int:
   if problem:
     parser.error(problem)
   like = _read_plan(parser, "--like", args.like) if args.like else None
+  if like is not None:
+    _check_like(parser, args, like)
   try:
     meshes = tuple(int(t) for t in args.meshes.split(",")) if args.meshes else ()
   except ValueError:
@@ -229,8 +271,12 @@ def main(argv=None) -> int:
 
   def search() -> int:
     from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+    if like is not None and not args.like_any:
+      _check_shapes(args, like)
     result = (plan_lib.with_slots(args.config, args.target, like, args.slots) if args.slots
               else plan_lib.plan(args.config, args.target, like, meshes))
+    if like is not None:
+      result["like_path"] = args.like
     check.save(result, args.out)
     if not result["fits"]:
       return cli.error(f"{result['verdict']} (the plan: {args.out})", prefix=PROG)

@@ -162,6 +162,18 @@ def recommended(plan: dict, lengths_R, headroom: float, admitting: dict) -> str:
   return f"{best['slots']} ({best['rollout_s']:.0f} s{'' if compiled else ', not compiled'})"
 
 
+def plan_step(plan: dict, lengths_R, headroom: float, admitting: dict | None = None) -> dict:
+  """One training step of `plan` as compiled, at responses of `lengths_R` (roofline s):
+  the rollout in its slots over its pool, admitting (`lengths.admitting_estimate`; the
+  one given), the recompute and the learner packed at the same lengths. The plan's JSON
+  (`settled[].mid_step_s`), `--render` and `--estimate` all give this at the mid lengths."""
+  admitting = admitting or lengths_lib.admitting_estimate(plan, lengths_R, headroom)
+  est = learner_estimate(plan["report"], lengths_R)
+  return dict(rollout_s=admitting["rollout_s"], recompute_s=est["recompute_s"],
+              learner_s=est["learner_s"],
+              total_s=admitting["rollout_s"] + est["recompute_s"] + est["learner_s"])
+
+
 def step_table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) -> str:
   """Markdown: per plan and length distribution (`lengths.distributions`), the roofline
   seconds of the rollout in today's slots and with admission (`lengths.today_estimate`,
@@ -180,9 +192,9 @@ def step_table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) ->
     for label, lengths_R in lengths_lib.distributions(
         b["response_tokens"], b["questions"] * b["k"], **given).items():
       today = lengths_lib.today_estimate(plan, lengths_R)
-      admitting = lengths_lib.admitting_estimate(plan, lengths_R, headroom, today)
-      rollout = admitting["rollout_s"]
-      est = learner_estimate(report, lengths_R)
+      admitting = lengths_lib.admitting_estimate(plan, lengths_R, headroom)
+      step = plan_step(plan, lengths_R, headroom, admitting)
+      rollout, est = step["rollout_s"], step
       parts = dict(rollout=rollout, recompute=est["recompute_s"], learner=est["learner_s"])
       trained = est["recompute_s"] + est["learner_s"]
       measured = at_measured(report["target"], rollout, trained)
@@ -191,7 +203,7 @@ def step_table(plans: list[tuple[str, dict]], headroom: float = 0.1, **given) ->
       lines.append(
           f"| {name} | {plan['target']} | {label} | {today['rollout_s']:.0f} | {rollout:.0f} "
           f"| {est['recompute_s']:.0f} | {est['learner_s']:.0f} "
-          f"| {today['rollout_s'] + trained:.0f} | {sum(parts.values()):.0f} "
+          f"| {today['rollout_s'] + trained:.0f} | {step['total_s']:.0f} "
           f"| {max(parts, key=parts.get)} "
           f"| {'no measurement' if measured is None else f'{measured:.0f}'} "
           f"| {recommended(plan, lengths_R, headroom, admitting)} |")

@@ -198,6 +198,22 @@ def devices(target: Target, target_config: str | None = None, slices: int = 1) -
   return found
 
 
+# The share of the usable memory a plan leaves free, by platform: what devices measured
+# above the compiler's prediction. GPU: on one H200 (docs/accelerator_results.md) the
+# learner's temporaries came out 2.3-4.9% above `memory_analysis()`'s (cuDNN's workspace,
+# autotuned kernels), with nothing of that in the 5% that XLA_PYTHON_CLIENT_MEM_FRACTION
+# 0.95 leaves to the CUDA context. TPU: none; libtpu refuses a program above its limit at
+# compile time, and that limit is the device allocator's (a real v6e reports `bytes_limit`
+# 31.25 GiB, the compile-time "available HBM"), libtpu's own reserve (0.25-1.25 GiB a
+# chip) lying outside it. No TPU has been measured against a plan yet.
+MARGIN = {"cuda": 0.05, "tpu": 0.0, "cpu": 0.0}
+
+
+def margin_bytes(target: Target) -> int:
+  """The memory a plan keeps free below `usable_bytes` (MARGIN of it)."""
+  return int(usable_bytes(target) * MARGIN[target.platform])
+
+
 def usable_bytes(target: Target) -> int:
   """Per-device memory a program may use: on TPU the HBM the compiler allows (and
   enforces), on GPU JAX's preallocated share of the device's memory."""
