@@ -15,9 +15,12 @@ a warning line per key (exgrpo_jax/training/resume_check.py).
 """
 
 import dataclasses
+import json
+import os
 
 import ml_collections
 
+from exgrpo_jax.aot import targets
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import rgym
 from exgrpo_jax.models import lora
@@ -217,25 +220,55 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def lora_on_small_hardware(paper_config, planned: dict,
+def lora_on_small_hardware(paper_config, plans: str,
                            arg: str | None) -> ml_collections.ConfigDict:
-  """A paper config (`paper_config(variant)`) as a LoRA run for one GPU or a v5e-8
+  """A paper config (`paper_config(ARG)`) as a LoRA run for one GPU or a v5e-8
   (docs/lora.md): the base frozen in bfloat16 (`model.param_dtype`, the compute dtype),
   rank-16 adapters (alpha 16) on every attention and MLP projection at 10 times the full
-  fine-tuning learning rate. `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a device of
-  `planned` sets the mesh, micro-batch, rollout slots and KV pool the planner chose for
-  it; without one they are left for `python -m exgrpo_jax.aot plan`."""
-  parts = arg.split(",") if arg else []
-  device = next((p for p in parts if p in planned), None)
-  variants = [p for p in parts if p != device]
-  if len(variants) > 1:
-    raise ValueError(f"{arg!r}: one device of {', '.join(planned)} and one variant at most")
-  c = paper_config(variants[0] if variants else None)
+  fine-tuning learning rate. `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a DEVICE (a
+  target of `python -m exgrpo_jax.aot`) takes the mesh, micro-batch, rollout slots and
+  KV pool of its plan, docs/results/aot_<plans>_<DEVICE>.json (`planned`); without one
+  they are left for `python -m exgrpo_jax.aot plan`."""
+  device = parse_arg(arg)[0]
+  c = paper_config(",".join(p for p in (arg or "").split(",") if p != device) or None)
   c.model.param_dtype = "bfloat16"
   c.model.lora.rank = 16
   c.model.lora.alpha = 16.0
   c.optim.lr = 1e-5  # 10 x the paper's 1e-6
-  chosen = planned.get(device, dict(mesh_shape=(-1, 1), max_rows=0, kv_pages=0))
+  chosen = (planned(plans, device) if device
+            else dict(mesh_shape=(-1, 1), max_rows=0, kv_pages=0))
+  return with_plan(c, chosen)
+
+
+PLANS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                     "results")
+
+
+def planned(plans: str, device: str) -> dict:
+  """The settings the committed plan of `plans` (a config's name, or that of a config of
+  its model's shapes) on `device` chose: PLANS/aot_<plans>_<device>.json. A device
+  without a plan, or whose plan fits nothing, is a ValueError saying what to do."""
+  path = os.path.join(PLANS, f"aot_{plans}_{device}.json")
+  if not os.path.exists(path):
+    have = sorted(f[len(f"aot_{plans}_"):-5] for f in os.listdir(PLANS)
+                  if f.startswith(f"aot_{plans}_") and f[len(f"aot_{plans}_"):-5] in
+                  targets.TARGETS)
+    raise ValueError(
+        f"no plan for {device} yet (planned: {', '.join(have) or 'none'}); make one "
+        f"with `python -m exgrpo_jax.aot plan --config=configs/{plans}.py "
+        f"--target={device} --out=docs/results/aot_{plans}_{device}.json` and this "
+        "argument takes it")
+  with open(path, encoding="utf-8") as f:
+    plan = json.load(f)
+  if not plan["fits"]:
+    raise ValueError(f"{device}: {plan['verdict']}")
+  chosen = plan["chosen"]
+  return dict(mesh_shape=(-1, chosen["tensor"]), micro_batch_size=chosen["micro_batch_size"], max_rows=chosen["max_rows"],
+              kv_pages=chosen["kv_pages"])
+
+
+def with_plan(c: ml_collections.ConfigDict, chosen: dict) -> ml_collections.ConfigDict:
+  """`c` with a plan's mesh, micro-batch, rollout slots and KV pool (`planned`)."""
   c.mesh.shape = chosen["mesh_shape"]
   c.optim.micro_batch_size = chosen.get("micro_batch_size", c.optim.micro_batch_size)
   c.rollout.max_rows = chosen["max_rows"]
@@ -253,38 +286,45 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> ml_collections.
   return c
 
 
-def parse_arg(arg: str | None) -> tuple[str, bool]:
-  """'variant' or 'variant,runlocal' -> (variant, runlocal)."""
+def parse_arg(arg: str | None, devices: bool = True) -> tuple[str | None, str, bool]:
+  """'[DEVICE,][VARIANT][,runlocal]' -> (DEVICE or None, VARIANT, runlocal): a DEVICE is
+  a target of `python -m exgrpo_jax.aot`, a VARIANT one of VARIANTS; anything else is a
+  ValueError naming what the config takes (no devices and no 'runlocal' where not
+  `devices`: a config that runs on this machine as it is)."""
   parts = [p for p in (arg or "").split(",") if p]
-  runlocal = "runlocal" in parts
-  rest = [p for p in parts if p != "runlocal"]
-  if len(rest) > 1:
-    raise ValueError(f"config arg {arg!r}: give at most one variant (and 'runlocal')")
-  return (rest[0] if rest else "exgrpo"), runlocal
+  takes = (*(targets.TARGETS if devices else ()), *VARIANTS, *(("runlocal",) if devices
+                                                               else ()))
+  unknown = [p for p in parts if p not in takes]
+  chosen = [p for p in parts if p in targets.TARGETS], [p for p in parts if p in VARIANTS]
+  if unknown or len(chosen[0]) > 1 or len(chosen[1]) > 1:
+    what = ("at most one device and one variant (and 'runlocal')" if devices
+            else "one variant")
+    raise ValueError(
+        f"config argument {arg!r}: give {what}"
+        f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}; "
+        f"{'devices: ' + ', '.join(targets.TARGETS) + '; ' if devices else ''}"
+        f"variants: {', '.join(VARIANTS)}")
+  return (chosen[0][0] if chosen[0] else None, chosen[1][0] if chosen[1] else "exgrpo",
+          "runlocal" in parts)
 
 
-def local_variant(arg: str | None, config_file: str) -> str:
-  """The variant of a config that already runs locally: 'runlocal' is refused by name."""
-  variant, runlocal = parse_arg(arg)
-  if runlocal:
-    raise ValueError(f"{config_file}: 'runlocal' shrinks the GPU configs; this config "
-                     "already runs locally (give a variant alone)")
-  return variant
+def local_variant(arg: str | None) -> str:
+  """The variant of a config that already runs on this machine: devices and 'runlocal'
+  are refused with the variants it takes."""
+  return parse_arg(arg, devices=False)[1]
 
 
 def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_start: float,
-                 mesh_shape=(-1, 1), max_rows=0, kv_pages=0) -> ml_collections.ConfigDict:
+                 plans: str) -> ml_collections.ConfigDict:
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).
 
-  The model configs take `mesh_shape`, `max_rows` (`rollout.max_rows`, rows per
-  generate call) and `kv_pages` (`rollout.kv_pages`, the KV pool's pages; 0: every row's
-  longest) from the compiler's plan for 8 H100s (`python -m exgrpo_jax.aot plan`,
-  docs/results/aot_<config>_h100x8.json); docs/aot.md ("Memory plan") gives the flags for
-  8 H200s and a TPU v5p-8.
-
-  `runlocal` in `arg` shrinks batch and lengths for a quick smoke run of the same model.
+  `arg`: [DEVICE][,VARIANT][,runlocal]. The mesh, micro-batch, rollout slots
+  (`rollout.max_rows`) and KV pool (`rollout.kv_pages`) are the committed plan's for
+  DEVICE (`planned`: docs/results/aot_<plans>_<DEVICE>.json), by default 8 H100s'
+  (docs/aot.md). `runlocal` shrinks batch and lengths for a quick smoke run of the same
+  model.
   """
-  variant, runlocal = parse_arg(arg)
+  device, variant, runlocal = parse_arg(arg)
   c = base_config()
   c.model.path = model_path  # a local HF directory; override with --config.model.path=...
   c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
@@ -293,9 +333,7 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   c.eval.before_train = False  # every 10 steps from step 10 (2,259 problems each)
   c.train.steps = steps
   c.algo.delayed_start = delayed_start
-  c.mesh.shape = mesh_shape
-  c.rollout.max_rows = max_rows
-  c.rollout.kv_pages = kv_pages
+  with_plan(c, planned(plans, device or "h100x8"))
   if runlocal:
     c.train.batch_questions = 8
     c.rollout.max_new_tokens = 512

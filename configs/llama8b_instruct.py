@@ -11,5 +11,4 @@ from configs import common
 def get_config(arg=None):
   return common.paper_config(arg, model_path="checkpoints/Llama-3.1-8B-Instruct",
                              template="exgrpo_think", steps=500, delayed_start=0.35,
-                             mesh_shape=(-1, 8), max_rows=1024,
-                             kv_pages=60320)  # the planner, h100x8 (docs/aot.md)
+                             plans="llama8b")

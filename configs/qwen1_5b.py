@@ -11,4 +11,4 @@ from configs import common
 def get_config(arg=None):
   return common.paper_config(arg, model_path="checkpoints/Qwen2.5-Math-1.5B",
                              template="exgrpo_think", steps=500, delayed_start=0.35,
-                             mesh_shape=(-1, 1))  # the planner for h100x8: all rows
+                             plans="qwen1_5b")

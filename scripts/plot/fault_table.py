@@ -133,7 +133,8 @@ CASES = {
         INPUT, "`--config=configs/nope.py`; exit 2: `--config=configs/nope.py: no such file`"),
     "test_bad_flags_exit_2_with_one_line[unknown_variant]": (
         INPUT, "`--config=configs/tiny.py:nope`; exit 2: `--config=configs/tiny.py:nope: "
-               "unknown variant 'nope'; choose from exgrpo, ...`"),
+               "config argument 'nope': give one variant; unknown: nope; variants: exgrpo, "
+               "...`"),
     "test_help_exits_0": (INPUT, "`--helpshort`; the usage, exit 0 (was 1)"),
     "test_config_key_typo_names_the_closest_key[key]": (
         INPUT, "`--config.algo.rhoo=0.3`; exit 2: `--config.algo.rhoo: no such config key; "
