@@ -400,3 +400,32 @@ def test_the_rollout_search_bisects_instead_of_walking_down():
   assert planner.rollout(4, 1024, 8) == 152
   assert len(planner.search) <= 10  # a walk down from 1,024 in steps of 64 took 16
   assert len(planner.search) == len(set(planner.search))
+
+
+def test_like_lowers_a_pool_that_fits_only_without_margin_until_it_fits():
+  """`plan --like` of a plan whose pool no longer fits (a margin kept now) compiles its
+  choice, then lowers the pool by what the costliest program lacked, re-choosing the
+  slots over it: a verdict compiled for this config, never the old plan's."""
+  with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
+    reserved = json.load(f)["report"]
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+
+  class _LikePlanner(_SmallPlanner):
+    """`_SmallPlanner` whose reports keep every program of `reserved` (the estimates
+    price them), its decode's peak growing with the pool."""
+
+    def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+      made = super().compile(tensor, micro, max_rows, parts, kv_pages)
+      decode = made["programs"][0]
+      return dict(made, programs=[dict(p, **decode) if p["name"] == "decode_chunk"
+                                  else dict(p, fits=True) for p in self.reserved["programs"]])
+
+  planner = _LikePlanner(reserved, fits=3000)
+  planner.check = check
+  like = dict(chosen=dict(tensor=4, micro_batch_size=8, max_rows=64, kv_pages=4000),
+              report=reserved)
+  report, best = planner.like(like, 0.1)
+  assert planner.search[0] == (64, 4000) and report["ok"]
+  assert 3000 - 2 * planner.shards <= best["kv_pages"] <= 3000
+  assert planner.search[-1] == (best["max_rows"], best["kv_pages"])
+  assert len(planner.search) == 2  # the lacking pages are known from the first compile

@@ -265,6 +265,8 @@ class Planner:
     dists = lengths.distributions(b["response_tokens"], b["questions"] * b["k"])
     mid = dists.pop("mid")
     floor = pages + shards if fitting else per_row * shards  # a fitting pool or more
+    if not fitting:  # the bound reads the decode; another program may bind first
+      bound = min(bound, pages - self._lacking(report, page_bytes, pages // shards) * shards)
     pages = bound
     for _ in range(ADMISSION_TRIES):
       if pages < floor:
