@@ -23,7 +23,6 @@ from exgrpo_jax import cli
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
-from exgrpo_jax.aot import lengths
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import readers
 from exgrpo_jax.data import rgym
@@ -306,10 +305,10 @@ def _pool_holds_a_row(c) -> None:
     shards = sharding.batch_shards(sharding.make_mesh(c.mesh))
   except ValueError:
     return  # the mesh's own check names its problem when the run builds it
-  per_row = lengths.pages_per_row(c.data.max_prompt_tokens, r.max_new_tokens)
+  per_row = pages.pages_per_row(c.data.max_prompt_tokens, r.max_new_tokens)
   _require(r.kv_pages // shards >= per_row, "rollout.kv_pages", r.kv_pages,
            f"{r.kv_pages // shards} pages per batch shard of the mesh's {shards}, fewer than "
-           f"one row at its longest ({per_row} pages of {lengths.PAGE} tokens for "
+           f"one row at its longest ({per_row} pages of {pages.PAGE} tokens for "
            f"data.max_prompt_tokens={c.data.max_prompt_tokens} + "
            f"rollout.max_new_tokens={r.max_new_tokens}), which could never finish; raise "
            f"it to at least {per_row * shards} or lower those lengths")
