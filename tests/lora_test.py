@@ -29,6 +29,7 @@ from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.models import export
 from exgrpo_jax.models import lora
+from exgrpo_jax.models import lora_base
 from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
@@ -311,11 +312,11 @@ def test_the_fingerprint_is_the_weight_files_content(tmp_path):
   config.model.update(random_init=False, path=str(tmp_path), lora=dict(rank=4))
   (tmp_path / "model.safetensors").write_bytes(b"weights")
   (tmp_path / "config.json").write_text("{}")
-  first = lora_run.base_fingerprint(config, str(tmp_path))
+  first = lora_base.base_fingerprint(config, str(tmp_path))
   (tmp_path / "config.json").write_text('{"a": 1}')
-  assert lora_run.base_fingerprint(config, str(tmp_path)) == first
+  assert lora_base.base_fingerprint(config, str(tmp_path)) == first
   (tmp_path / "model.safetensors").write_bytes(b"weightz")
-  second = lora_run.base_fingerprint(config, str(tmp_path))
+  second = lora_base.base_fingerprint(config, str(tmp_path))
   assert second["path"] == first["path"] and second["sha256"] != first["sha256"]
   meta = dict(config=config.to_dict(), lora_base=first)
   lora_run.check_resume(meta, config, lambda: first)
