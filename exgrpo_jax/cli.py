@@ -150,3 +150,20 @@ def check_writable(path: str) -> None:
     raise OSError(f"cannot write {path}: {e.strerror}") from None
   if not existed:
     os.remove(path)
+
+
+def unwritable(path: str, directory: bool = False) -> str | None:
+  """Why a file (with `directory`, a directory) cannot be written at `path`, its missing
+  parents made as `os.makedirs` makes them; None where it can. Creates nothing: for
+  outputs checked before long work starts."""
+  path = os.path.abspath(path)
+  if os.path.exists(path):
+    if os.path.isdir(path) != directory:
+      return f"{path} is {'not ' if directory else ''}a directory"
+    return None if os.access(path, os.W_OK) else f"{path} is not writable"
+  parent = os.path.dirname(path)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    return f"{parent} is not a directory"
+  return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable"
