@@ -138,6 +138,14 @@ def non_negative_int(text: str) -> int:
   return value
 
 
+def positive_float(text: str) -> float:
+  """An argparse type: a finite number above 0."""
+  value = float(text)
+  if not 0 < value < float("inf"):
+    raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+  return value
+
+
 def check_writable(path: str) -> None:
   """Raises OSError unless a file can be written at `path` (before long work starts)."""
   if os.path.isdir(path):
