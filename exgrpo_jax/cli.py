@@ -18,6 +18,7 @@ Exit statuses (README, "Exit statuses"):
 """
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -144,6 +145,18 @@ def positive_float(text: str) -> float:
   if not 0 < value < float("inf"):
     raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
   return value
+
+
+def read_json(flag: str, path: str):
+  """The JSON of file `path`, named by `flag`; where it cannot be read or is not JSON, a
+  UsageError in one line naming both."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except OSError as e:
+    raise UsageError(f"{flag} {path}: {e.strerror}") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UsageError(f"{flag} {path}: not a JSON file ({e})") from None
 
 
 def check_writable(path: str) -> None:

@@ -320,12 +320,9 @@ def render(result: dict) -> str:
 def _read_report(parser, path: str) -> dict:
   """A JSON this script wrote, or one line naming what is wrong with it (exit status 2)."""
   try:
-    with open(path, encoding="utf-8") as f:
-      result = json.load(f)
-  except OSError as e:
-    parser.error(f"--render {path}: {e.strerror}")
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    parser.error(f"--render {path}: not a JSON file ({e})")
+    result = cli.read_json("--render", path)
+  except cli.UsageError as e:
+    parser.error(str(e))
   missing = [k for k in REPORT_KEYS if not isinstance(result, dict) or k not in result]
   if missing:
     parser.error(f"--render {path}: not a report of this script (no {', '.join(missing)})")
