@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 
 from exgrpo_jax import checkpoint_integrity as integrity
 from exgrpo_jax.models import config as config_lib
-from exgrpo_jax.training import lora_run
+from exgrpo_jax.models import lora_base
 
 ITEMS = ("params", "opt", "host", "meta")
 MANIFEST = integrity.MANIFEST
@@ -231,7 +231,7 @@ def _load_params(step_dir: str):
   integrity.check_arrays("params", params, target)
   cfg = model_config_from_json(meta["model_config"])
   if "lora_base" in meta:  # the adapters, on the base the checkpoint names
-    params = lora_run.with_checkpoint_base(meta, cfg, params)
+    params = lora_base.with_checkpoint_base(meta, cfg, params)
   return cfg, params, meta["tokenizer_source"]
 
 

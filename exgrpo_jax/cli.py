@@ -18,6 +18,7 @@ Exit statuses (README, "Exit statuses"):
 """
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -138,6 +139,26 @@ def non_negative_int(text: str) -> int:
   return value
 
 
+def positive_float(text: str) -> float:
+  """An argparse type: a finite number above 0."""
+  value = float(text)
+  if not 0 < value < float("inf"):
+    raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+  return value
+
+
+def read_json(flag: str, path: str):
+  """The JSON of file `path`, named by `flag`; where it cannot be read or is not JSON, a
+  UsageError in one line naming both."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except OSError as e:
+    raise UsageError(f"{flag} {path}: {e.strerror}") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UsageError(f"{flag} {path}: not a JSON file ({e})") from None
+
+
 def check_writable(path: str) -> None:
   """Raises OSError unless a file can be written at `path` (before long work starts)."""
   if os.path.isdir(path):
@@ -150,3 +171,20 @@ def check_writable(path: str) -> None:
     raise OSError(f"cannot write {path}: {e.strerror}") from None
   if not existed:
     os.remove(path)
+
+
+def unwritable(path: str, directory: bool = False) -> str | None:
+  """Why a file (with `directory`, a directory) cannot be written at `path`, its missing
+  parents made as `os.makedirs` makes them; None where it can. Creates nothing: for
+  outputs checked before long work starts."""
+  path = os.path.abspath(path)
+  if os.path.exists(path):
+    if os.path.isdir(path) != directory:
+      return f"{path} is {'not ' if directory else ''}a directory"
+    return None if os.access(path, os.W_OK) else f"{path} is not writable"
+  parent = os.path.dirname(path)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    return f"{parent} is not a directory"
+  return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable"

@@ -12,7 +12,7 @@ from configs import common
 from exgrpo_jax import cli
 from exgrpo_jax import config_cli
 from exgrpo_jax import models
-from exgrpo_jax.aot import lengths
+from exgrpo_jax.sampling import pages
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import resume_check
 from tests import configs_test
@@ -111,7 +111,7 @@ def test_a_kv_pool_below_one_row_at_its_longest_is_refused():
   """The engine's pages of a row of data.max_prompt_tokens (bucketed) + max_new_tokens."""
   c = _config()
   c.rollout.max_new_tokens = 64
-  per_row = lengths.pages_per_row(c.data.max_prompt_tokens, 64)
+  per_row = pages.pages_per_row(c.data.max_prompt_tokens, 64)
   c.rollout.kv_pages = per_row - 1
   with pytest.raises(config_check.ConfigError) as e:
     config_check.check(c)

@@ -103,6 +103,25 @@ def test_rollout_pool_settings_are_refused_before_compiling(tmp_path, flags, lin
   assert not os.path.exists(workdir)
 
 
+@pytest.mark.parametrize("flag, line", [
+    ("--config.train.seed=-1", "config.train.seed=-1: must be a whole number in [0, 2**63)"),
+    ("--config.train.export_dir=hf", "config.train.export_dir='hf': cannot write the export "
+                                     "there ({workdir}/hf exists and is not a model directory)"),
+    ("--config.train.export_dir={tmp}/file/hf", "config.train.export_dir='{tmp}/file/hf': "
+     "cannot write the export there ({tmp}/file is not a directory)"),
+], ids=["negative_seed", "export_dir_a_file", "export_dir_under_a_file"])
+def test_a_bad_seed_or_export_dir_is_refused_before_anything(tmp_path, flag, line):
+  """Refused by the checks before the run starts, not after the training (the export)
+  or the data loading (the seed): the workdir as it was found."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "hf").write_text("notes", encoding="utf-8")
+  (tmp_path / "file").write_text("", encoding="utf-8")
+  fill = dict(workdir=workdir, tmp=tmp_path)
+  _refused(_train(f"--workdir={workdir}", flag.format(**fill)), line.format(**fill))
+  assert os.listdir(workdir) == ["hf"]
+
+
 def test_batch_larger_than_the_data_is_refused(tmp_path):
   _refused(_train(f"--workdir={tmp_path}", "--config.train.batch_questions=1000"),
            "config.train.batch_questions=1000: more than the 64 training questions of "

@@ -54,6 +54,35 @@ def test_a_damaged_file_it_would_continue_is_named_in_one_line(tmp_path, name, t
   assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--render", "missing.json"], "--render missing.json: No such file or directory"),
+    (["--render", "notes.txt"], "--render notes.txt: not a JSON file (Expecting value: line 1 "
+                                "column 1 (char 0))"),
+    (["--render", "plan.json"], "--render plan.json: not a report of this script (no "
+                                "device, date, jax, questions, k, response_tokens, phases, "
+                                "steps)"),
+    (["--out", "x.json", "--budget", "-5"], "argument --budget: must be a number above 0, "
+                                            "got -5"),
+    (["--out", "file/x.json"], "--out file/x.json: cannot write file/x.json: Not a directory"),
+    (["--out", "x.json", "--workdir", "file/run"],
+     "--workdir file/run: cannot write there ({tmp}/file is not a directory)"),
+])
+def test_the_lora_part_refuses_bad_arguments_in_one_line(tmp_path, args, line):
+  """gpu_lora.py's bad arguments and outputs: one line naming the flag, exit 2, before
+  JAX starts or anything is written."""
+  (tmp_path / "notes.txt").write_text("not JSON\n", encoding="utf-8")
+  (tmp_path / "plan.json").write_text(json.dumps({"plan": "aot_qwen7b_lora_h200x1.json",
+                                                  "chosen": {}}), encoding="utf-8")
+  (tmp_path / "file").write_text("", encoding="utf-8")
+  before = sorted(os.listdir(tmp_path))
+  proc = subprocess.run([sys.executable, LORA, *args], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=120, check=False, env=conftest.subprocess_env())
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"gpu_lora.py: error: {line.format(tmp=tmp_path)}")
+  assert sorted(os.listdir(tmp_path)) == before
+
+
 @pytest.mark.slow
 def test_smoke_runs_every_part_and_a_rerun_skips_what_is_done(tmp_path):
   """The LoRA plan's run (SmolLM2 here, its plan compiled for this CPU), every decode

@@ -108,3 +108,23 @@ def test_the_graph_sees_deferred_imports_and_packages():
 def test_no_import_cycles():
   cycle = find_cycle(import_graph())
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+  """The module graph with each module replaced by its top-level unit below the package
+  (`exgrpo_jax.training.trainer` -> `exgrpo_jax.training`), the package itself left out."""
+  unit = lambda m: ".".join(m.split(".")[:2])
+  units = {}
+  for module, targets in graph.items():
+    if module != PACKAGE:
+      units.setdefault(unit(module), set()).update(
+          unit(t) for t in targets if t != PACKAGE and unit(t) != unit(module))
+  return units
+
+
+def test_no_import_runs_back_up():
+  """Between the package's parts (subpackages and top-level modules) the imports run one
+  way: a part never imports one that imports it (the trainer's checks import no planner
+  code, the checkpoint store no trainer code)."""
+  cycle = find_cycle(package_graph(import_graph()))
+  assert cycle is None, "imports run back up: " + " -> ".join(cycle)

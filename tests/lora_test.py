@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -29,6 +30,7 @@ from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.models import export
 from exgrpo_jax.models import lora
+from exgrpo_jax.models import lora_base
 from exgrpo_jax.sampling import continuous
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
@@ -37,6 +39,7 @@ from exgrpo_jax.training import config_check
 from exgrpo_jax.training import groups as groups_lib
 from exgrpo_jax.training import learner
 from exgrpo_jax.training import lora_run
+from exgrpo_jax.training import run_state
 from tests import vllm_stand_in
 
 CFG = models.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -304,6 +307,39 @@ def test_a_resume_on_another_base_or_lora_section_is_refused_in_one_line(tmp_pat
   assert os.path.exists(tmp_path / "hf" / "adapter" / "adapter_model.safetensors")
 
 
+def _tiny_base(dst, seed: int) -> None:
+  """configs/tiny.py's random model (seed `seed`) as an HF directory at `dst`."""
+  tokenizer = models.load_tokenizer(models.default_model_path())
+  cfg = run_state._model_config_for_random_init(tiny.get_config(), tokenizer)  # pylint: disable=protected-access
+  models.save_pretrained(cfg, models.init_params(cfg, jax.random.key(seed)), str(dst),
+                         tokenizer_src=models.default_model_path())
+
+
+def test_a_lora_resume_follows_its_bases_content_not_its_path(tmp_path):
+  """A LoRA checkpoint names its base by content: the same base moved to another
+  `model.path` resumes; other weights at that path are refused in one line."""
+  _tiny_base(tmp_path / "base", seed=0)
+  base = ["--config.model.random_init=False", "--config.train.checkpoint_every=1"]
+  workdir = tmp_path / "run"
+  first = _train_cli(workdir, 1, *base, f"--config.model.path={tmp_path / 'base'}")
+  assert first.returncode == 0, first.stderr[-3000:]
+  os.rename(tmp_path / "base", tmp_path / "moved")
+  moved = [*base, f"--config.model.path={tmp_path / 'moved'}"]
+  resumed = _train_cli(workdir, 2, *moved)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "warning" not in resumed.stderr
+  assert checkpointing.latest_step_dir(str(workdir / "checkpoints")).endswith("2")
+  shutil.rmtree(tmp_path / "moved")
+  _tiny_base(tmp_path / "moved", seed=1)
+  refused = _train_cli(workdir, 3, *moved)
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  errors = [x for x in refused.stderr.splitlines() if "exgrpo_jax.train:" in x]
+  assert len(errors) == 1 and errors[0].startswith(
+      f"exgrpo_jax.train: config.model.path='{tmp_path / 'moved'}': the LoRA checkpoint "
+      f"being resumed was trained on the base '{tmp_path / 'moved'}'"), refused.stderr
+  assert checkpointing.latest_step_dir(str(workdir / "checkpoints")).endswith("2")
+
+
 def test_the_fingerprint_is_the_weight_files_content(tmp_path):
   """A base directory's hash follows its weight files' bytes (not their dates or other
   files); another content is refused on resume."""
@@ -311,11 +347,11 @@ def test_the_fingerprint_is_the_weight_files_content(tmp_path):
   config.model.update(random_init=False, path=str(tmp_path), lora=dict(rank=4))
   (tmp_path / "model.safetensors").write_bytes(b"weights")
   (tmp_path / "config.json").write_text("{}")
-  first = lora_run.base_fingerprint(config, str(tmp_path))
+  first = lora_base.base_fingerprint(config, str(tmp_path))
   (tmp_path / "config.json").write_text('{"a": 1}')
-  assert lora_run.base_fingerprint(config, str(tmp_path)) == first
+  assert lora_base.base_fingerprint(config, str(tmp_path)) == first
   (tmp_path / "model.safetensors").write_bytes(b"weightz")
-  second = lora_run.base_fingerprint(config, str(tmp_path))
+  second = lora_base.base_fingerprint(config, str(tmp_path))
   assert second["path"] == first["path"] and second["sha256"] != first["sha256"]
   meta = dict(config=config.to_dict(), lora_base=first)
   lora_run.check_resume(meta, config, lambda: first)

@@ -365,3 +365,96 @@ def test_the_committed_lora_report_is_reproduced_from_the_committed_summaries(tm
   assert [p["pair"] for p in reported["exploratory"]] == ["exgrpo_lora - lora",
                                                         "exgrpo_lora - onpolicy"]
 
+
+
+@pytest.mark.parametrize("base, edit, line", [
+    ("study_v3", "c.stages = ((-1, 2, 3, 4), (5, 6, 7, 8))",
+     "stages[0]: -1 is not a seed (a whole number >= 0: the runs' train.seed)"),
+    ("study_v3", "c.stages = (('x',),)",
+     "stages[0]: 'x' is not a seed (a whole number >= 0: the runs' train.seed)"),
+    ("study_v3", "c.stages = ((1.5,),)",
+     "stages[0]: 1.5 is not a seed (a whole number >= 0: the runs' train.seed)"),
+    ("study_v3", "c.stages = ()", "stages=(): must list at least one stage of seeds"),
+    ("study_v3", "c.stages = ((1, 2), ())", "stages[1]=(): must list at least one seed"),
+    ("study_v3", "c.stages = ((1, 2), (2, 3))",
+     "stages: seed 2 is in more than one stage (each seed's runs count once)"),
+    ("study_v3", "c.primary = ('exgrpo', 'nope')",
+     "primary: 'nope' is not an arm (arms: onpolicy, exgrpo, noreplay, delayed, rho50, "
+     "onpolicy_b8, exgrpo_b8)"),
+    ("study_v3", "c.primary = ('exgrpo',)",
+     "primary=('exgrpo',): must be a pair of two arms"),
+    ("study_v3", "c.exploratory = ('rho5',)", "exploratory: 'rho5' is not an arm (arms: "
+     "onpolicy, exgrpo, noreplay, delayed, rho50, onpolicy_b8, exgrpo_b8)"),
+    ("study_lora_recipe", "c.tuning.seeds = (-1, 2)",
+     "tuning.seeds: -1 is not a seed (a whole number >= 0: the runs' train.seed)"),
+    ("study_lora_recipe", "c.tuning.seeds = ()", "tuning.seeds=(): must list at least one seed"),
+    ("study_lora_recipe", "c.tuning.arms = ()",
+     "tuning.arms=(): must list at least one candidate arm"),
+    ("study_lora_recipe", "c.tuning.tie = -0.1",
+     "tuning.tie=-0.1: must be a number >= 0 (an AUC difference)"),
+])
+@pytest.mark.parametrize("command", ["status", "run"])
+def test_a_bad_study_config_is_refused_in_one_line_before_anything(tmp_path, base, edit,
+                                                                  line, command):
+  """A study config with a seed that is no training seed, an empty stage or an arm that
+  is not one: one line naming the key and value, exit 2, no run directory."""
+  config = tmp_path / "study.py"
+  config.write_text(f"from configs import {base}\n\n\ndef get_config(arg=None):\n"
+                    f"  c = {base}.get_config(arg)\n  {edit}\n  return c\n", encoding="utf-8")
+  out = tmp_path / "study"
+  # `false` for the runs' interpreter: were a run started, it would fail at once.
+  extra = ["--python=false"] if command == "run" else []
+  proc = cli(command, f"--config={config}", f"--out={out}", *extra)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines() == [f"exgrpo_jax.study: --config={config}: {line}"]
+  assert proc.stdout == "" and not out.exists()
+
+
+def test_every_committed_study_config_passes_the_checks():
+  for name in ("study_v3", "study_lora", "study_lora_recipe"):
+    for smoke in (False, True):
+      protocol.load(os.path.join(conftest.REPO_ROOT, "configs", f"{name}.py"), smoke)
+
+
+def test_a_report_without_runs_of_an_arm_of_the_primary_pair_is_refused(tmp_path):
+  """Summaries that hold no run of one primary arm (or no seed with both) have no paired
+  result to report: one line naming the directory and the arm, exit 2, nothing written."""
+  summaries = tmp_path / "summaries"
+  summaries.mkdir()
+  fake_run(str(summaries), "exgrpo", 1, 0.45)
+  fake_run(str(summaries), "noreplay", 1, 0.4)
+  for added, line in [
+      (None, "no run of onpolicy, the primary pair's second arm (arms there: exgrpo, "
+             "noreplay)"),
+      ("onpolicy", "no seed with runs of both exgrpo and onpolicy (exgrpo: 1; onpolicy: 2)")]:
+    if added:
+      fake_run(str(summaries), added, 2, 0.4)
+    proc = cli("report", "--config=configs/study_v3.py", f"--out={tmp_path}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"exgrpo_jax.study: --summaries {summaries}: {line}; nothing to report"]
+  assert sorted(os.listdir(tmp_path)) == ["summaries"]
+
+
+@pytest.mark.parametrize("command, flag", [("run", "--out"), ("report", "--out"),
+                                           ("report", "--json")])
+def test_an_unwritable_output_is_refused_before_any_work(tmp_path, command, flag):
+  """--out (or report's --json) under a regular file: one line naming the flag, exit 2,
+  before any run starts or anything is written."""
+  summaries = tmp_path / "summaries"
+  summaries.mkdir()
+  stage1(str(summaries), [0.05, 0.06, 0.04, 0.05])
+  (tmp_path / "file").write_text("", encoding="utf-8")
+  bad = tmp_path / "file" / "sub"
+  args = [f"--out={bad}" if flag == "--out" else f"--out={tmp_path / 'out'}"]
+  if command == "run":
+    args.append("--python=false")  # were a run started, it would fail at once
+  if command == "report":
+    args += [f"--summaries={summaries}"] + ([f"--json={bad}"] if flag == "--json" else [])
+  before = sorted(str(p) for p in tmp_path.rglob("*"))
+  proc = cli(command, "--config=configs/study_v3.py", *args)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines() == [
+      f"exgrpo_jax.study: {flag} {bad}: cannot write there ({tmp_path / 'file'} is not a "
+      "directory)"]
+  assert sorted(str(p) for p in tmp_path.rglob("*")) == before

@@ -36,7 +36,7 @@ from exgrpo_jax.sampling import schedule
 # cap): a verl run's mean at its cap scaled up, DeepScaleR's late and early training.
 SCENARIOS = {"short": (1278, 0.02), "mid": (3501, 0.09), "long": (5737, 0.39)}
 SCENARIO_CAP = 8192
-PAGE = 64  # the engine's page size (tokens)
+PAGE = pages.PAGE  # the engine's page size (tokens)
 
 
 def scenario(name: str, cap: int, rows: int, seed: int = 0) -> np.ndarray:
@@ -123,15 +123,9 @@ def kv_layout(report: dict) -> tuple[int, float]:
 
 
 def row_pages(report: dict) -> int:
-  """The pages of one row at its longest in a plan report's batch (`pages_per_row`)."""
+  """The pages of one row at its longest in a plan report's batch (`pages.pages_per_row`)."""
   b = report["batch"]
-  return pages_per_row(b["prompt_tokens"], b["response_tokens"])
-
-
-def pages_per_row(prompt_tokens: int, response_tokens: int) -> int:
-  """The engine's pages of one row at its longest: the prompt, bucketed as the engine
-  buckets it, and every response token."""
-  return -(-(decode.length_bucket(prompt_tokens, 16) + response_tokens) // PAGE)
+  return pages.pages_per_row(b["prompt_tokens"], b["response_tokens"])
 
 
 def prices(report: dict) -> Prices:

@@ -56,7 +56,7 @@ def is_complete(dst: str, info: dict) -> bool:
   return all(written.get(k) == v for k, v in info.items())
 
 
-def _replaceable(dst: str) -> bool:
+def replaceable(dst: str) -> bool:
   """`dst` is absent, empty, or a model directory (a previous export)."""
   if not os.path.exists(dst):
     return True
@@ -71,7 +71,7 @@ def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | 
   (`lora.LoraParams`) give the merged model, and their adapters as a PEFT adapter
   directory `adapter/` inside it (`peft_export`; its base: `tokenizer_src`)."""
   dst = os.path.abspath(dst)
-  if not _replaceable(dst):
+  if not replaceable(dst):
     raise FileExistsError(f"{dst} exists and is not a model directory; not overwriting it")
   _remove_stale_temporaries(dst)
   tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-{os.getpid()}")

@@ -27,6 +27,9 @@ import math
 
 import numpy as np
 
+from exgrpo_jax.sampling import decode
+
+PAGE = 64  # the engine's page size (tokens)
 # XLA's attention reads the whole pool each step: POOL_STEPS equal steps up to the
 # capacity, then halves down to one row per shard (scripts/bench/pool_ladder.py weighs the
 # decode programs a finer ladder compiles against the pool a coarser one reads in vain).
@@ -36,6 +39,12 @@ POOL_STEPS = 32
 # `rollout.kv_headroom`'s default: the share of a capped pool's pages kept free when
 # admitting a row beside running ones (fewer preemptions).
 KV_HEADROOM = 0.1
+
+
+def pages_per_row(prompt_tokens: int, response_tokens: int) -> int:
+  """The engine's pages of one row at its longest: the prompt, bucketed as the engine
+  buckets it, and every response token."""
+  return -(-(decode.length_bucket(prompt_tokens, 16) + response_tokens) // PAGE)
 
 
 def ladder(full: int, per_row: int, shards: int, kernel: bool = False) -> list[int]:

@@ -18,7 +18,8 @@ docs/results/study_v3_runs) and writes `<out>/<name>.json` (or `--json`) and the
 figures `<out>/<name>_*.png`. `--smoke` is the config's "smoke" variant: a pipeline
 check of about a minute on a tiny model.
 
-Exit status: 0 done; 2 a bad flag, config or summary file (one line naming it, before
+Exit status: 0 done; 2 a bad flag, config or summary file, an output that cannot be
+written, or summaries with no paired result to report (one line naming it, before
 anything is written); 1 a run that failed `retries + 1` times or another error; 75 a
 run stopped by a signal (checkpointed: run the same command again).
 """
@@ -68,10 +69,18 @@ def _check_out(out: str) -> None:
                          "your own (runs/...); `report --summaries` reads committed runs")
 
 
+def _check_writable(flag: str, path: str, directory: bool) -> None:
+  """An output that cannot be written is a bad flag, found before any work."""
+  why = cli.unwritable(path, directory)
+  if why:
+    raise cli.UsageError(f"{flag} {path}: cannot write there ({why})")
+
+
 def run(config, args) -> int:
   if not shutil.which(args.python):
     raise cli.UsageError(f"--python {args.python}: no such interpreter")
   _check_out(args.out)
+  _check_writable("--out", args.out, directory=True)
   out, summaries = os.path.abspath(args.out), os.path.join(os.path.abspath(args.out),
                                                            "summaries")
   while True:
@@ -117,9 +126,14 @@ def report(config, args) -> int:
   path = args.json or os.path.join(args.out, f"{config.name}.json")
   if not os.path.isdir(directory):
     raise cli.UsageError(f"--summaries {directory}: no such directory")
+  _check_writable("--out", args.out, directory=True)
+  _check_writable("--json", path, directory=False)
   summaries = protocol.read_summaries(directory)
   if not summaries:
     raise cli.UsageError(f"--summaries {directory}: no finished runs (<arm>_s<seed>.json)")
+  problem = protocol.unpaired(config, summaries)
+  if problem:
+    raise cli.UsageError(f"--summaries {directory}: {problem}; nothing to report")
   if importlib.util.find_spec("scipy") is None:
     return cli.error("the report's tests need scipy: pip install scipy (the `test` extra)")
   result = report_lib.report(protocol.resolve(config, summaries), summaries)

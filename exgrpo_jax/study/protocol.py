@@ -38,8 +38,8 @@ TUNED = "@tuned"  # in an arm's overrides: the tuning winner's overrides
 
 
 def load(path: str, smoke: bool = False):
-  """The study config of file `path` (its "smoke" variant with `smoke`); a bad file is a
-  UsageError naming it."""
+  """The study config of file `path` (its "smoke" variant with `smoke`); a bad file, or
+  a seed or arm of its rules that no run could have, is a UsageError naming it."""
   spec = f"{path}:smoke" if smoke and ":" not in path else path
   problem = config_cli.config_problem([f"--config={spec}"])
   if problem:
@@ -49,17 +49,58 @@ def load(path: str, smoke: bool = False):
              if k not in config]
   if missing:
     raise cli.UsageError(f"--config={spec}: not a study config (no {', '.join(missing)})")
+  problem = _problem(config)
+  if problem:
+    raise cli.UsageError(f"--config={spec}: {problem}")
+  return config
+
+
+def _problem(config) -> str | None:
+  """What is wrong with a study config's seeds and arms ("KEY: VALUE ..."), or None."""
   names = [arm for arm, _, _ in config.arms]
   tuning = config.get("tuning")
   for arm, _, overrides in config.arms:
     if TUNED in overrides and not tuning:
-      raise cli.UsageError(f"--config={spec}: arm {arm!r} takes {TUNED} but the config has "
-                           "no tuning section")
-  for arm in tuning.arms if tuning else ():
-    if arm not in names:
-      raise cli.UsageError(f"--config={spec}: tuning.arms: {arm!r} is not an arm "
-                           f"(arms: {', '.join(names)})")
-  return config
+      return f"arm {arm!r} takes {TUNED} but the config has no tuning section"
+
+  def arms_problem(key, arms):
+    bad = next((a for a in arms if a not in names), None)
+    return bad and f"{key}: {bad!r} is not an arm (arms: {', '.join(names)})"
+
+  def seeds_problem(key, seeds):
+    if not seeds:
+      return f"{key}={tuple(seeds)!r}: must list at least one seed"
+    bad = next((s for s in seeds if not isinstance(s, int) or isinstance(s, bool) or s < 0),
+               None)
+    return bad is not None and f"{key}: {bad!r} is not a seed (a whole number >= 0: the " \
+        "runs' train.seed)"
+
+  for key in ("primary", "fallback"):
+    if len(config[key]) != 2:
+      return f"{key}={tuple(config[key])!r}: must be a pair of two arms"
+  if not config.stages:
+    return f"stages={tuple(config.stages)!r}: must list at least one stage of seeds"
+  seen = set()
+  for i, seeds in enumerate(config.stages):
+    problem = seeds_problem(f"stages[{i}]", seeds)
+    if problem:
+      return problem
+    again = next((s for s in seeds if s in seen), None)
+    if again is not None:
+      return f"stages: seed {again} is in more than one stage (each seed's runs count once)"
+    seen.update(seeds)
+  problems = [arms_problem(key, config[key])
+              for key in ("primary", "fallback", "attribution", "exploratory")]
+  if tuning:
+    if not tuning.arms:
+      problems.append(f"tuning.arms={tuple(tuning.arms)!r}: must list at least one "
+                      "candidate arm")
+    problems += [arms_problem("tuning.arms", tuning.arms),
+                 seeds_problem("tuning.seeds", tuning.seeds)]
+    tie = tuning.tie
+    if not isinstance(tie, (int, float)) or isinstance(tie, bool) or not tie >= 0:
+      problems.append(f"tuning.tie={tie!r}: must be a number >= 0 (an AUC difference)")
+  return next((p for p in problems if p), None)
 
 
 def arms(config) -> dict:
@@ -146,6 +187,30 @@ def read_summaries(directory: str) -> dict:
     if match:
       runs[match[1], int(match[2])] = read_summary(path)
   return runs
+
+
+def reported_pair(config, arms) -> tuple:
+  """The pair the report compares, given the `arms` that have runs: the fallback once it
+  has runs, else the primary."""
+  return tuple(config.fallback if config.fallback[0] in arms else config.primary)
+
+
+def unpaired(config, runs: dict) -> str | None:
+  """Why the finished `runs` give the report no paired result (no run of an arm of its
+  pair, or no seed with runs of both), or None."""
+  seeds = {}
+  for arm, seed in sorted(runs):
+    seeds.setdefault(arm, []).append(seed)
+  pair = reported_pair(config, seeds)
+  name = "fallback" if pair == tuple(config.fallback) != tuple(config.primary) else "primary"
+  for arm, which in zip(pair, ("first", "second")):
+    if arm not in seeds:
+      return (f"no run of {arm}, the {name} pair's {which} arm (arms there: "
+              f"{', '.join(seeds)})")
+  if not set(seeds[pair[0]]) & set(seeds[pair[1]]):
+    return (f"no seed with runs of both {pair[0]} and {pair[1]} "
+            + "(" + "; ".join(f"{a}: {', '.join(map(str, seeds[a]))}" for a in pair) + ")")
+  return None
 
 
 def paired_sd(config, runs: dict, arms, seeds) -> float | None:

@@ -118,7 +118,7 @@ def arm_summary(config, seeds: dict) -> dict:
 def report(config, summaries: dict) -> dict:
   """The report's JSON (its `_runs` key: {arm: {seed: summary}}, for the figures)."""
   runs = by_arm(config, summaries)
-  pairs = config.fallback if runs.get(config.fallback[0]) else config.primary
+  pairs = protocol.reported_pair(config, runs)
   primary = paired(config, runs, *pairs)
   attribution = [p for arm in config.attribution for other in config.primary
                  if (p := paired(config, runs, arm, other, config.stages[0]))]

@@ -6,7 +6,8 @@ that do not fit together, unknown names (loss, advantage, reward, template, engi
 trajectory selection), missing files and a data path that the configured source would
 not read (`--config.KEY` typos, which the locked ConfigDict refuses, are named with the
 closest valid key by `exgrpo_jax.config_cli`); `check_data_size` refuses a batch larger
-than the training questions once they are loaded. The mesh is checked by
+than the training questions once they are loaded, `check_export_dir` an export that could
+not be written, before the training. The mesh is checked by
 `exgrpo_jax.sharding` when it is built; what a resumed run may change, by
 `resume_check`.
 
@@ -23,7 +24,6 @@ from exgrpo_jax import cli
 from exgrpo_jax import losses
 from exgrpo_jax import sampling
 from exgrpo_jax import sharding
-from exgrpo_jax.aot import lengths
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import readers
 from exgrpo_jax.data import rgym
@@ -31,6 +31,7 @@ from exgrpo_jax.data import sources as data_sources
 from exgrpo_jax.data import templates
 from exgrpo_jax.models import attention
 from exgrpo_jax.models import config as config_lib
+from exgrpo_jax.models import export
 from exgrpo_jax.models import lora
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
@@ -242,6 +243,8 @@ def _check(c) -> None:
   for key in ("steps", "batch_questions", "log_every", "checkpoint_every",
               "keep_checkpoints", "logprob_chunk", "prompt_bucket"):
     _range(c, f"train.{key}", 1)
+  _require(isinstance(t.seed, int) and not isinstance(t.seed, bool) and 0 <= t.seed < 2**63,
+           "train.seed", t.seed, "must be a whole number in [0, 2**63)")
   responses = t.batch_questions * r.k
   _require(responses >= o.mini_batches, "optim.mini_batches", o.mini_batches,
            f"more than the {responses} responses per step (train.batch_questions x "
@@ -306,10 +309,10 @@ def _pool_holds_a_row(c) -> None:
     shards = sharding.batch_shards(sharding.make_mesh(c.mesh))
   except ValueError:
     return  # the mesh's own check names its problem when the run builds it
-  per_row = lengths.pages_per_row(c.data.max_prompt_tokens, r.max_new_tokens)
+  per_row = pages.pages_per_row(c.data.max_prompt_tokens, r.max_new_tokens)
   _require(r.kv_pages // shards >= per_row, "rollout.kv_pages", r.kv_pages,
            f"{r.kv_pages // shards} pages per batch shard of the mesh's {shards}, fewer than "
-           f"one row at its longest ({per_row} pages of {lengths.PAGE} tokens for "
+           f"one row at its longest ({per_row} pages of {pages.PAGE} tokens for "
            f"data.max_prompt_tokens={c.data.max_prompt_tokens} + "
            f"rollout.max_new_tokens={r.max_new_tokens}), which could never finish; raise "
            f"it to at least {per_row * shards} or lower those lengths")
@@ -319,6 +322,18 @@ def _only_with_file_source(path: str, key: str, source_key: str, source: str) ->
   _require(not path or source == "file", key, path,
            f"is read only with {source_key}='file', and this config's source is "
            f"{source!r}; add --config.{source_key}=file, or drop the path")
+
+
+def check_export_dir(c, workdir: str) -> None:
+  """Raises ConfigError if the final export (`train.export_dir` under `workdir`) could not
+  be written: found before the training, not after it."""
+  if not c.train.export_dir:
+    return
+  dst = os.path.abspath(os.path.join(workdir, c.train.export_dir))
+  why = (f"{dst} exists and is not a model directory" if not export.replaceable(dst)
+         else cli.unwritable(dst, directory=True))
+  _require(why is None, "train.export_dir", c.train.export_dir,
+           f"cannot write the export there ({why})")
 
 
 def check_data_size(c, num_questions: int, source: str) -> None:

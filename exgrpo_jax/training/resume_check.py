@@ -8,13 +8,14 @@ changed model shape is named as a config change instead of failing the restore a
 the checkpoint were damaged, and nothing is moved aside.
 
 Refused (`FIXED`), because the checkpoint's state was built for the saved value: K, the
-model and its tokenizer, the question set, and `train.seed` (the restored question
-stream and buffer keep drawing from the checkpoint's seed, so a new one would reach only
-the rollouts). Free (`FREE`), because they change how the run is carried out, not what
-it computes: its length, logging, checkpoints, evaluation, mesh, the rollout engine's
-and reward workers' settings, the micro-batch size. Every other key (the algorithm,
-replay, optimizer, sampling, reward, batch size) is taken from the resumed step on with
-one warning line per changed key: the run is then no longer one config's.
+model (a LoRA run's base by its weights' content, whatever its path) and its tokenizer,
+the question set, and `train.seed` (the restored question stream and buffer keep drawing
+from the checkpoint's seed, so a new one would reach only the rollouts). Free (`FREE`),
+because they change how the run is carried out, not what it computes: its length,
+logging, checkpoints, evaluation, mesh, the rollout engine's and reward workers'
+settings, the micro-batch size. Every other key (the algorithm, replay, optimizer,
+sampling, reward, batch size) is taken from the resumed step on with one warning line
+per changed key: the run is then no longer one config's.
 """
 
 import dataclasses
@@ -47,7 +48,12 @@ def check(saved: dict, c, step: int | None = None) -> list[str]:
   """Raises ConfigError if `c` changes a FIXED key of the checkpoint's `saved` config;
   returns one warning line per other changed key that is not FREE."""
   before, now = config_cli.flatten(saved), config_cli.flatten(c.to_dict())
-  changed = [k for k in sorted(now) if k in before and before[k] != now[k]]
+  # A LoRA run's frozen base is judged by its content (`lora_run.check_resume`): the same
+  # weights at another path resume.
+  lora_runs = before.get("model.lora.rank", 0) > 0 and now["model.lora.rank"] > 0
+  by_content = ("model.path",) if lora_runs else ()
+  changed = [k for k in sorted(now)
+             if k in before and before[k] != now[k] and k not in by_content]
   for key in changed:
     if _matches(key, FIXED):
       raise config_check.ConfigError(

@@ -9,7 +9,7 @@ the step, so they need no storage); (2) `config.model.path` (or random weights f
 `model.random_init`) with a fresh optimizer, buffer and stream.
 
 With LoRA (`model.lora.rank` > 0) `params` is a `lora.LoraParams`: the base is loaded
-as above on every start, the adapters and their optimizer state are what the
+as above on every start (`lora_base`), the adapters and their optimizer state are what the
 checkpoint holds (`lora_run`).
 
 Params and optimizer state live on the mesh `config.mesh` with the learner's sharding
@@ -33,6 +33,7 @@ from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.models import loading
 from exgrpo_jax.models import lora
+from exgrpo_jax.models import lora_base
 from exgrpo_jax.replay import buffer as buffer_lib
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import learner
@@ -154,18 +155,18 @@ class RunState:
       self.opt_state = sharding.init_optimizer(self._tx, self.params, self.opt_shardings)
       return
     adapters = lora_run.init_adapters(self.config, self.model_cfg, self.param_shardings)
-    self.params = lora_run.combine(self.config, self._base_weights(self.base_shardings),
+    self.params = lora_base.combine(self.config, self._base_weights(self.base_shardings),
                                    adapters)
     self.opt_state = sharding.init_optimizer(self._tx, adapters, self.opt_shardings)
 
   def _base_weights(self, shardings):
-    return lora_run.base_weights(self.config, self.model_cfg, shardings)
+    return lora_base.base_weights(self.config, self.model_cfg, shardings)
 
   def base_fingerprint(self) -> dict:
-    """The LoRA base's path and content hash (`lora_run.base_fingerprint`), computed once."""
+    """The LoRA base's path and content hash (`lora_base.base_fingerprint`), computed once."""
     if self._base_fingerprint is None:
       path = self.config.model.path or models.default_model_path()
-      self._base_fingerprint = lora_run.base_fingerprint(self.config, path)
+      self._base_fingerprint = lora_base.base_fingerprint(self.config, path)
     return self._base_fingerprint
 
   def prompt(self, uid: int) -> data.Prompt:
@@ -213,7 +214,7 @@ class RunState:
     caps included)."""
     self.params, self.opt_state = params, opt
     if lora_run.enabled(self.config):
-      self.params = lora_run.combine(self.config, self._base_weights(self.base_shardings),
+      self.params = lora_base.combine(self.config, self._base_weights(self.base_shardings),
                                      params)
     self.buffer = buffer_lib.ExperienceBuffer.from_state_dict(host, self._buffer_config())
     self.stream.load_state_dict(meta["stream"])

@@ -74,6 +74,7 @@ class Trainer:
 
   def __init__(self, config, workdir: str, engine=None):
     config_check.check(config)
+    config_check.check_export_dir(config, workdir)
     self.notices = announce.Notices()  # before anything compiles
     for line in config_check.ignored(config):
       self.notices.say(f"warning: {line}")

@@ -52,6 +52,9 @@ QUESTIONS, RESPONSE_TOKENS, SLACK = 16, 256, 16
 SMOKE = dict(questions=2, response_tokens=8, max_prompt_tokens=256, max_new_tokens=32,
              max_rows=8, kv_pages=64)
 GIB = 2 ** 30
+# What `render` reads: a JSON without them is not this script's.
+REPORT_KEYS = ("device", "date", "jax", "plan", "questions", "k", "response_tokens",
+               "phases", "steps")
 
 
 def plan_path(target: str) -> str:
@@ -314,21 +317,40 @@ def render(result: dict) -> str:
   return "\n".join(lines)
 
 
+def _read_report(parser, path: str) -> dict:
+  """A JSON this script wrote, or one line naming what is wrong with it (exit status 2)."""
+  try:
+    result = cli.read_json("--render", path)
+  except cli.UsageError as e:
+    parser.error(str(e))
+  missing = [k for k in REPORT_KEYS if not isinstance(result, dict) or k not in result]
+  if missing:
+    parser.error(f"--render {path}: not a report of this script (no {', '.join(missing)})")
+  return result
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", help="the JSON report (required unless --render)")
   parser.add_argument("--render", help="print a JSON this script wrote as Markdown")
-  parser.add_argument("--budget", type=float, default=300.0,
+  parser.add_argument("--budget", type=cli.positive_float, default=300.0,
                       help="seconds: no step starts that would end after it")
   parser.add_argument("--workdir", default="/tmp/gpu_lora")
   parser.add_argument("--smoke", action="store_true")
   args = parser.parse_args(argv)
   if args.render:
-    with open(args.render, encoding="utf-8") as f:
-      print(render(json.load(f)))
+    print(render(_read_report(parser, args.render)))
     return 0
   if not args.out:
     parser.error("--out is required")
+  # Before the minutes of setup and compiles, not after them.
+  try:
+    cli.check_writable(args.out)
+  except OSError as e:
+    parser.error(f"--out {args.out}: {e}")
+  why = cli.unwritable(args.workdir, directory=True)
+  if why:
+    parser.error(f"--workdir {args.workdir}: cannot write there ({why})")
   if args.smoke:
     os.environ["JAX_PLATFORMS"] = "cpu"
   else:  # before JAX starts: the share of the device's memory the plans were made for

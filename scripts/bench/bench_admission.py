@@ -34,7 +34,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from exgrpo_jax import cli  # pylint: disable=wrong-import-position
 from exgrpo_jax import models  # pylint: disable=wrong-import-position
-from exgrpo_jax.aot import lengths  # pylint: disable=wrong-import-position
 from exgrpo_jax import sampling  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import decode  # pylint: disable=wrong-import-position
 from exgrpo_jax.sampling import pages  # pylint: disable=wrong-import-position
@@ -42,7 +41,7 @@ from exgrpo_jax.sampling import schedule  # pylint: disable=wrong-import-positio
 from exgrpo_jax.sampling import slots as slots_lib  # pylint: disable=wrong-import-position
 from scripts.bench import bench_sampler  # pylint: disable=wrong-import-position
 
-PAGE = lengths.PAGE  # the engine's page size
+PAGE = pages.PAGE  # the engine's page size
 COUNTED = ("compile_s", "new_tokens", "decode_steps", "slot_steps", "preemptions",
            "recomputed_tokens")
 
@@ -67,7 +66,7 @@ def main(argv=None):
   tokenizer = models.load_tokenizer(args.model or None)
   prompts = bench_sampler.chat_prompts(tokenizer, args.rows)
   prompt_len = decode.length_bucket(max(map(len, prompts)), 16)
-  per_row = lengths.pages_per_row(max(map(len, prompts)), args.new_tokens)
+  per_row = pages.pages_per_row(max(map(len, prompts)), args.new_tokens)
   engines = {
       "today": sampling.make_engine("jax", policy.config, tokenizer, max_rows=args.budget_rows,
                                     continuous_from=0, page_size=PAGE),

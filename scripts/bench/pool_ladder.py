@@ -67,7 +67,7 @@ def main(argv=None):
       continue  # the kernel reads live pages only: one pool size
     b = report["batch"]
     L, N = decode.length_bucket(b["prompt_tokens"], 16), b["response_tokens"]
-    today = pages.PageTable(b["max_rows"], lengths.PAGE, L, N, price.shards)
+    today = pages.PageTable(b["max_rows"], pages.PAGE, L, N, price.shards)
     full, per_row = today.sizes[-1], today.table_BxN.shape[1]
     ladders = {f"linear {n}" + (" (before)" if n == 8 else ""):
                linear(full, per_row, price.shards, n) for n in (8, 16, 32, 64)}
