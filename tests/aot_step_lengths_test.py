@@ -161,7 +161,7 @@ def test_slots_compiles_the_plans_choice_with_that_many_slots_over_its_pool(monk
   pages = lengths.row_pages(like["report"]) * like["chosen"]["max_rows"]
   assert compiled == [(4, 8, 704, ("learner", "rollout"), pages)]
   assert result["fits"] and result["chosen"]["max_rows"] == 704
-  assert result["chosen"]["kv_pages"] == plan_lib.capacity_pages(like) == pages
+  assert result["chosen"]["kv_pages"] == lengths.capacity_pages(like) == pages
   assert result["verdict"] == ("fits: --config.mesh.shape='(1, 4)' "
                                f"--config.rollout.max_rows=704 --config.rollout.kv_pages={pages}")
 

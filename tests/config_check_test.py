@@ -200,7 +200,8 @@ def test_missing_data_file_is_one_clear_error():
 
 
 def test_runlocal_is_refused_by_configs_that_already_run_locally():
-  with pytest.raises(ValueError, match=r"configs/tiny.py: 'runlocal' shrinks the GPU configs"):
+  with pytest.raises(ValueError, match=r"config argument 'runlocal': give one variant; "
+                     r"unknown: runlocal; variants: exgrpo, "):
     importlib.import_module("configs.tiny").get_config("runlocal")
 
 

@@ -128,6 +128,16 @@ def row_pages(report: dict) -> int:
   return pages.pages_per_row(b["prompt_tokens"], b["response_tokens"])
 
 
+def capacity_pages(plan_: dict) -> int:
+  """A plan's KV pool in pages: its `rollout.kv_pages`, else every slot's row at its
+  longest, in whole pages per batch shard."""
+  chosen, report = plan_["chosen"], plan_["report"]
+  if chosen.get("kv_pages"):
+    return chosen["kv_pages"]
+  shards, _ = kv_layout(report)
+  return row_pages(report) * chosen["max_rows"] // shards * shards
+
+
 def prices(report: dict) -> Prices:
   """A plan report's programs as `Prices` (its `report` key, `check.report`'s JSON)."""
   m, b = report["model"], report["batch"]

@@ -223,9 +223,10 @@ class Planner:
     """`like`'s choice compiled for this config (the micro-batch halved while the
     learner does not fit), then its pool moved to what that compile holds (`readmit`):
     (the last report, its settings)."""
+    from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
     c = like["chosen"]
     tensor, micro = c["tensor"], c["micro_batch_size"]
-    pages, slots = capacity_pages(like), c["max_rows"]
+    pages, slots = lengths.capacity_pages(like), c["max_rows"]
     while True:
       report = self.compile(tensor, micro, slots, ("learner", "rollout"), kv_pages=pages)
       learner_ok = all(p["fits"] for p in report["programs"]
@@ -317,17 +318,6 @@ def _largest(low: dict, high: dict, at_low: int, at_high: int, usable: float, mo
   return max(unit, min(most, guess) // unit * unit)
 
 
-def capacity_pages(plan_: dict) -> int:
-  """A plan's KV pool in pages: its `rollout.kv_pages`, else every slot's row at its
-  longest, in whole pages per batch shard."""
-  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
-  chosen, report = plan_["chosen"], plan_["report"]
-  if chosen.get("kv_pages"):
-    return chosen["kv_pages"]
-  shards, _ = lengths.kv_layout(report)
-  return lengths.row_pages(report) * chosen["max_rows"] // shards * shards
-
-
 def _flags(devices: int, best: dict, base) -> str:
   """The `--config.*` flags that give a config `best`'s settings."""
   flags = (f"--config.mesh.shape='({devices // best['tensor']}, {best['tensor']})' "
@@ -341,12 +331,13 @@ def _flags(devices: int, best: dict, base) -> str:
 
 def with_slots(spec: str, target: str, like: dict, slots: int) -> dict:
   """`like`'s plan (a fitting one, of `spec` or a config of its shapes) compiled with
-  `slots` rollout slots over its own pool (`capacity_pages`): whether a slot count the
+  `slots` rollout slots over its own pool (`lengths.capacity_pages`): whether a slot count the
   estimate recommends fits, and its report."""
   planner = Planner(spec, target)
   base = config_cli.load(spec)
   c = like["chosen"]
-  best = dict(c, max_rows=slots, kv_pages=capacity_pages(like))
+  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
+  best = dict(c, max_rows=slots, kv_pages=lengths.capacity_pages(like))
   final = planner.compile(c["tensor"], c["micro_batch_size"], slots, ("learner", "rollout"),
                           kv_pages=best["kv_pages"])
   flags = _flags(planner.spec.devices, best, base)

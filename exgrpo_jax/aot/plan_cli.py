@@ -114,12 +114,9 @@ def _plan_files(parser, patterns: list[str]) -> list[str]:
 def _read_plan(parser, flag: str, path: str) -> dict:
   """A plan JSON file, or one line naming what is wrong with it (exit status 2)."""
   try:
-    with open(path, encoding="utf-8") as f:
-      plan_ = json.load(f)
-  except OSError as e:
-    parser.error(f"{flag} {path}: {e.strerror}")
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    parser.error(f"{flag} {path}: not a JSON file ({e})")
+    plan_ = cli.read_json(flag, path)
+  except cli.UsageError as e:
+    parser.error(str(e))
   if not isinstance(plan_, dict):
     parser.error(f"{flag} {path}: not a plan (a JSON object written by this script)")
   return plan_

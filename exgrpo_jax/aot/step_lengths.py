@@ -155,9 +155,8 @@ def recommended(plan: dict, lengths_R, headroom: float, admitting: dict) -> str:
   (`lengths.best_slots`, from the plan's own slots `admitting` there), its seconds, and
   whether the plan compiled it: one it did not
   is compiled by `python -m exgrpo_jax.aot plan --like PLAN --slots N`."""
-  from exgrpo_jax.aot import plan as plan_lib  # pylint: disable=g-import-not-at-top
   best = lengths_lib.best_slots(plan["report"], lengths_R, headroom, admitting,
-                                capacity=plan_lib.capacity_pages(plan))
+                                capacity=lengths_lib.capacity_pages(plan))
   compiled = best["slots"] == plan["report"]["batch"]["max_rows"]
   return f"{best['slots']} ({best['rollout_s']:.0f} s{'' if compiled else ', not compiled'})"
 
