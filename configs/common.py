@@ -54,6 +54,11 @@ def base_config() -> ml_collections.ConfigDict:
   # Model: a local HF directory or .gguf ("" = the embedded SmolLM2), or random init.
   c.model = ml_collections.ConfigDict(dict(
       path="",
+      # The Hugging Face hub id of the model this config expects (docs/data.md, "Models"):
+      # `python -m exgrpo_jax.fetch` downloads it; a run reads its cached copy where
+      # `path` is not on disk, and refuses a model whose rope settings differ from its
+      # published ones. "" = none expected.
+      hub_id="",
       tokenizer="",          # "" = the model path's tokenizer
       random_init=False,     # tiny test models: random weights of `arch`
       arch=ml_collections.ConfigDict(dict(hidden_size=64, intermediate_size=128,
@@ -272,9 +277,13 @@ def local_variant(arg: str | None, config_file: str) -> str:
   return variant
 
 
-def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_start: float,
+def paper_config(arg, *, hub_id: str, template: str, steps: int, delayed_start: float,
                  mesh_shape=(-1, 1), max_rows=0, kv_pages=0) -> ml_collections.ConfigDict:
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).
+
+  `hub_id` names the backbone (`model.hub_id`); `model.path` is checkpoints/<its name>,
+  where a local copy may sit, and otherwise the copy `python -m exgrpo_jax.fetch` put in
+  the Hugging Face cache.
 
   The model configs take `mesh_shape`, `max_rows` (`rollout.max_rows`, rows per
   generate call) and `kv_pages` (`rollout.kv_pages`, the KV pool's pages; 0: every row's
@@ -286,7 +295,8 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   """
   variant, runlocal = parse_arg(arg)
   c = base_config()
-  c.model.path = model_path  # a local HF directory; override with --config.model.path=...
+  c.model.hub_id = hub_id
+  c.model.path = "checkpoints/" + hub_id.rsplit("/", 1)[-1]
   c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
   c.data.template = template
   c.eval.path = "exgrpo_valid.parquet"

@@ -12,7 +12,8 @@ model and its tokenizer, the question set, and `train.seed` (the restored questi
 stream and buffer keep drawing from the checkpoint's seed, so a new one would reach only
 the rollouts). Free (`FREE`), because they change how the run is carried out, not what
 it computes: its length, logging, checkpoints, evaluation, mesh, the rollout engine's
-and reward workers' settings, the micro-batch size. Every other key (the algorithm,
+and reward workers' settings, the micro-batch size, `model.hub_id` (what the model is
+checked against, not the model). Every other key (the algorithm,
 replay, optimizer, sampling, reward, batch size) is taken from the resumed step on with
 one warning line per changed key: the run is then no longer one config's.
 """
@@ -28,7 +29,7 @@ FIXED = ("rollout.k", "model.path", "model.tokenizer", "model.random_init", "mod
          "data.source", "data.arithmetic.", "data.reasoning_gym.", "data.train_path",
          "data.limit", "data.max_prompt_tokens", "train.seed")
 # Keys a resumed run may change without a word.
-FREE = ("model.remat", "model.attention", "model.matmul_precision", "data.dir",
+FREE = ("model.hub_id", "model.remat", "model.attention", "model.matmul_precision", "data.dir",
         "rollout.engine", "rollout.max_rows", "rollout.scheduler", "rollout.kv_pages",
         "rollout.kv_headroom", "rollout.vllm.",
         "reward.num_workers", "reward.timeout_s", "optim.micro_batch_size", "train.steps",
