@@ -15,12 +15,14 @@ a warning line per key (exgrpo_jax/training/resume_check.py).
 """
 
 import dataclasses
+import os
 
 import ml_collections
 
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import rgym
 from exgrpo_jax.models import lora
+from exgrpo_jax.models import published
 from exgrpo_jax.sampling import pages
 from exgrpo_jax.training import padding
 
@@ -277,13 +279,9 @@ def local_variant(arg: str | None, config_file: str) -> str:
   return variant
 
 
-def paper_config(arg, *, hub_id: str, template: str, steps: int, delayed_start: float,
+def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_start: float,
                  mesh_shape=(-1, 1), max_rows=0, kv_pages=0) -> ml_collections.ConfigDict:
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).
-
-  `hub_id` names the backbone (`model.hub_id`); `model.path` is checkpoints/<its name>,
-  where a local copy may sit, and otherwise the copy `python -m exgrpo_jax.fetch` put in
-  the Hugging Face cache.
 
   The model configs take `mesh_shape`, `max_rows` (`rollout.max_rows`, rows per
   generate call) and `kv_pages` (`rollout.kv_pages`, the KV pool's pages; 0: every row's
@@ -295,8 +293,10 @@ def paper_config(arg, *, hub_id: str, template: str, steps: int, delayed_start: 
   """
   variant, runlocal = parse_arg(arg)
   c = base_config()
-  c.model.hub_id = hub_id
-  c.model.path = "checkpoints/" + hub_id.rsplit("/", 1)[-1]
+  c.model.path = model_path  # a local HF directory; override with --config.model.path=...
+  # The hub model it names (checkpoints/<name>): while model.path is not on disk, a run
+  # reads the copy `python -m exgrpo_jax.fetch` put in the Hugging Face cache.
+  c.model.hub_id = published.HUB_IDS[os.path.basename(model_path)]
   c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
   c.data.template = template
   c.eval.path = "exgrpo_valid.parquet"

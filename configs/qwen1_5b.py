@@ -14,6 +14,6 @@ from configs import common
 
 
 def get_config(arg=None):
-  return common.paper_config(arg, hub_id="Qwen/Qwen2.5-Math-1.5B",
+  return common.paper_config(arg, model_path="checkpoints/Qwen2.5-Math-1.5B",
                              template="exgrpo_think", steps=500, delayed_start=0.35,
                              mesh_shape=(-1, 1))  # the planner for h100x8: all rows

@@ -15,7 +15,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  return common.paper_config(arg, hub_id="Elliott/Qwen2.5-Math-7B-16k-think",
+  return common.paper_config(arg, model_path="checkpoints/Qwen2.5-Math-7B-16k-think",
                              template="exgrpo_think", steps=700, delayed_start=0.35,
                              mesh_shape=(-1, 4), max_rows=1024,
                              kv_pages=137800)  # the planner, h100x8 (docs/aot.md)
