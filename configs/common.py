@@ -15,7 +15,6 @@ a warning line per key (exgrpo_jax/training/resume_check.py).
 """
 
 import dataclasses
-import os
 
 import ml_collections
 
@@ -296,7 +295,7 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   c.model.path = model_path  # a local HF directory; override with --config.model.path=...
   # The hub model it names (checkpoints/<name>): while model.path is not on disk, a run
   # reads the copy `python -m exgrpo_jax.fetch` put in the Hugging Face cache.
-  c.model.hub_id = published.HUB_IDS[os.path.basename(model_path)]
+  c.model.hub_id = published.HUB_IDS[model_path.rsplit("/", 1)[-1]]
   c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
   c.data.template = template
   c.eval.path = "exgrpo_valid.parquet"
