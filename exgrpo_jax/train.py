@@ -6,12 +6,12 @@ r"""Trains a policy with ExGRPO.
 `--config=FILE.py:ARG` picks a variant (configs/common.py lists them). The config is
 locked: an unknown key fails, naming the closest valid one, instead of being silently
 added. `--print_config` prints the config as resolved (flags applied, model.path found)
-as JSON, the workdir's config.json, and exits without starting a run. Where `model.path`
-is not on disk, the copy of `model.hub_id` that `python -m exgrpo_jax.fetch` put in the
-Hugging Face cache is read (exgrpo_jax/models/hub.py). Re-running with the same workdir resumes from its newest intact checkpoint; a
-change the checkpoint cannot follow (K, the model, the data, the seed) is refused, and
-other changes to what the run computes are taken with a warning
-(exgrpo_jax/training/resume_check.py).
+as JSON, as the workdir's config.json holds it, and exits without starting a run. Where
+`model.path` is not on disk, the copy of `model.hub_id` that `python -m exgrpo_jax.fetch`
+put in the Hugging Face cache is read (exgrpo_jax/models/hub.py). Re-running with the
+same workdir resumes from its newest intact checkpoint; a change the checkpoint cannot
+follow (K, the model, the data, the seed) is refused, and other changes to what the run
+computes are taken with a warning (exgrpo_jax/training/resume_check.py).
 
 Exit status (exgrpo_jax/cli.py): 0 done, 1 an error (one line; --debug shows the
 traceback), 2 a bad flag, config key or config value (one line naming it), 75
