@@ -243,3 +243,21 @@ def test_the_paper_configs_name_their_models(name, hub_id):
   assert config.model.hub_id == hub_id
   assert published.for_hub_id(hub_id) is published.HF_CONFIGS[
       os.path.basename(config.model.path)]
+
+
+def test_a_download_without_the_network_is_one_line(monkeypatch, tmp_path):
+  """No network and no cached copy: huggingface_hub's error becomes one line naming the
+  model and the cache."""
+  from huggingface_hub import errors  # pylint: disable=g-import-not-at-top
+
+  def offline(repo_id, **kw):
+    del repo_id, kw
+    raise errors.LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder"
+                                         "\nfor the specified revision on the local disk")
+
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+  with pytest.raises(ConnectionError) as e:
+    hub.download(SMOLLM2)
+  assert cli.one_line(e.value) == (f"{SMOLLM2}: the hub cannot be reached and the Hugging "
+                                   f"Face cache ({tmp_path}) holds no copy")
