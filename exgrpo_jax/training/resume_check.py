@@ -12,8 +12,7 @@ model and its tokenizer, the question set, and `train.seed` (the restored questi
 stream and buffer keep drawing from the checkpoint's seed, so a new one would reach only
 the rollouts). Free (`FREE`), because they change how the run is carried out, not what
 it computes: its length, logging, checkpoints, evaluation, mesh, the rollout engine's
-and reward workers' settings, the micro-batch size, `model.hub_id` (what the model is
-checked against, not the model). Every other key (the algorithm,
+and reward workers' settings, the micro-batch size. Every other key (the algorithm,
 replay, optimizer, sampling, reward, batch size) is taken from the resumed step on with
 one warning line per changed key: the run is then no longer one config's.
 """
