@@ -28,9 +28,9 @@ FIXED = ("rollout.k", "model.path", "model.tokenizer", "model.random_init", "mod
          "data.source", "data.arithmetic.", "data.reasoning_gym.", "data.train_path",
          "data.limit", "data.max_prompt_tokens", "train.seed")
 # Keys a resumed run may change without a word.
-FREE = ("model.hub_id", "model.remat", "model.attention", "model.matmul_precision", "data.dir",
+FREE = ("model.remat", "model.attention", "model.matmul_precision", "data.dir",
         "rollout.engine", "rollout.max_rows", "rollout.scheduler", "rollout.kv_pages",
-        "rollout.kv_headroom", "rollout.vllm.",
+        "rollout.kv_headroom", "rollout.vllm.", "model.hub_id",
         "reward.num_workers", "reward.timeout_s", "optim.micro_batch_size", "train.steps",
         "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
         "train.logprob_chunk", "train.packing", "train.prompt_bucket", "train.export_dir",
