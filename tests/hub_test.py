@@ -24,6 +24,7 @@ from exgrpo_jax import cli
 from exgrpo_jax.models import hub
 from exgrpo_jax.models import published
 from exgrpo_jax.training import config_check
+from exgrpo_jax.training import resume_check
 from tests import conftest
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -261,3 +262,11 @@ def test_a_download_without_the_network_is_one_line(monkeypatch, tmp_path):
     hub.download(SMOLLM2)
   assert cli.one_line(e.value) == (f"{SMOLLM2}: the hub cannot be reached and the Hugging "
                                    f"Face cache ({tmp_path}) holds no copy")
+
+
+def test_a_resume_may_drop_or_change_the_hub_id():
+  """model.hub_id is what the model is checked against, not the model (model.path is)."""
+  config = qwen7b_lora.get_config()
+  saved = config.to_dict()
+  config.model.hub_id = ""
+  assert resume_check.check(saved, config) == []
