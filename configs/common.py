@@ -24,6 +24,7 @@ from exgrpo_jax.aot import targets
 from exgrpo_jax.data import arithmetic
 from exgrpo_jax.data import rgym
 from exgrpo_jax.models import lora
+from exgrpo_jax.models import published
 from exgrpo_jax.sampling import pages
 from exgrpo_jax.training import padding
 
@@ -57,6 +58,11 @@ def base_config() -> ml_collections.ConfigDict:
   # Model: a local HF directory or .gguf ("" = the embedded SmolLM2), or random init.
   c.model = ml_collections.ConfigDict(dict(
       path="",
+      # The Hugging Face hub id of the model this config expects (docs/data.md, "Models"):
+      # `python -m exgrpo_jax.fetch` downloads it; a run reads its cached copy where
+      # `path` is not on disk, and refuses a model whose rope settings differ from its
+      # published ones. "" = none expected.
+      hub_id="",
       tokenizer="",          # "" = the model path's tokenizer
       random_init=False,     # tiny test models: random weights of `arch`
       arch=ml_collections.ConfigDict(dict(hidden_size=64, intermediate_size=128,
@@ -327,6 +333,9 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   device, variant, runlocal = parse_arg(arg)
   c = base_config()
   c.model.path = model_path  # a local HF directory; override with --config.model.path=...
+  # The hub model it names (checkpoints/<name>): while model.path is not on disk, a run
+  # reads the copy `python -m exgrpo_jax.fetch` put in the Hugging Face cache.
+  c.model.hub_id = published.HUB_IDS[model_path.rsplit("/", 1)[-1]]
   c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
   c.data.template = template
   c.eval.path = "exgrpo_valid.parquet"

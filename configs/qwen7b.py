@@ -4,7 +4,11 @@ r"""Qwen2.5-Math-7B with the paper's hyper-parameters on 8 GPUs (Table 1).
 
 B=128 questions, K=8, responses up to 8192 tokens, rho=0.5, lr 1e-6, delayed start at
 batch accuracy 0.35, 700 steps. The authors trained LUFFY's 16k-context variant of the
-model (rope_theta 40000); point model.path at a local copy.
+model, `Elliott/Qwen2.5-Math-7B-16k-think` on the Hugging Face hub (rope_theta 40000,
+16,384 positions; the stock Qwen2.5-Math-7B has rope_theta 10000 and 4,096 positions, too
+few for these responses, and is refused). Fetch it once (docs/data.md, "Models"):
+
+  python -m exgrpo_jax.fetch --config=configs/qwen7b.py
 """
 
 from configs import common

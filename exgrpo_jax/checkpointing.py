@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 
+from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -218,16 +219,21 @@ def _load_params(step_dir: str):
   if reason:
     raise CheckpointError(reason)
   meta = _read_meta(step_dir)
-  checkpointer = ocp.StandardCheckpointer()
-  params_dir = os.path.join(step_dir, "params")
+  # The item's handler, not a Checkpointer: that looks for a step's metadata file inside
+  # the item directory and warns that it does not exist (the manager keeps it a level up).
+  handler = ocp.StandardCheckpointHandler()
+  params_dir = epath.Path(step_dir) / "params"
   # Read onto this host's CPU whatever mesh wrote it (e.g. 8 GPUs or several hosts).
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   try:
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
-                          checkpointer.metadata(params_dir).item_metadata)
-    params = jax.tree.map(np.asarray, checkpointer.restore(params_dir, target))
+                          handler.metadata(params_dir))
+    params = jax.tree.map(np.asarray, handler.restore(
+        params_dir, args=ocp.args.StandardRestore(target)))
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(f"Orbax cannot read it ({integrity.root_cause(e)})") from e
+  finally:
+    handler.close()
   integrity.check_arrays("params", params, target)
   cfg = model_config_from_json(meta["model_config"])
   if "lora_base" in meta:  # the adapters, on the base the checkpoint names

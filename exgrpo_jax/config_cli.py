@@ -9,8 +9,12 @@
 (absl exits 1 with a usage hint, and a config key typo or a broken config file is a
 traceback): the config file is loaded again to say what is wrong with it, and a
 `--config.KEY` override naming no key gets the closest valid one (`unknown_key`).
+
+A list-valued key (`model.lora.targets`) takes `a,b` or a Python list or tuple
+(`ListParser`); ml_collections overrides no list by itself.
 """
 
+import ast
 import difflib
 import importlib.util
 import os
@@ -19,8 +23,31 @@ import sys
 
 from absl import flags
 import ml_collections
+from ml_collections import config_flags
 
 from exgrpo_jax import cli
+
+
+class ListParser(flags.ArgumentParser):
+  """`--config.KEY=a,b`, `'(a, b)'` or `'["a", "b"]'` for a list-valued KEY (an empty
+  value is the empty list)."""
+
+  def parse(self, argument):
+    if isinstance(argument, (list, tuple)):
+      return list(argument)
+    try:
+      value = ast.literal_eval(argument)
+    except (ValueError, SyntaxError):
+      value = argument
+    if isinstance(value, (list, tuple)):
+      return list(value)
+    return [part.strip() for part in str(value).split(",") if part.strip()]
+
+  def flag_type(self):
+    return "list"
+
+
+config_flags.register_flag_parser_for_type(list, ListParser())
 
 
 def make_config_files_importable(argv) -> None:

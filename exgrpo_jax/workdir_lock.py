@@ -51,8 +51,8 @@ class WorkdirLock:
     return cls(path, fd)
 
   def release(self, remove: bool = False) -> None:
-    """Frees the lock; `remove` also deletes the lock file (a start that was refused:
-    the workdir is left as it was found)."""
+    """Frees the lock; `remove` also deletes the lock file (a run that ended, or a start
+    that was refused: the workdir is left without a file naming a process gone)."""
     if self._fd is not None:
       if remove:  # while still holding the flock, so no other trainer holds this file
         os.unlink(self.path)

@@ -85,6 +85,16 @@ def test_bad_value_is_one_clear_error(key, value, message):
     config_check.check(c)
 
 
+def test_a_missing_file_names_the_source_key_that_asks_for_it():
+  c = _config()
+  c.eval.every, c.eval.path = 5, ""
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.check(c)
+  assert str(e.value) == ("config.eval.path='': is required with eval.source='file' (the "
+                          "default): name a data file, or set eval.source to one of "
+                          "arithmetic, reasoning_gym")
+
+
 def test_every_bad_value_gets_its_own_line():
   c = _config()
   c.algo.rho, c.rollout.k, c.optim.mini_batches = 2.0, 1, 0

@@ -1,4 +1,4 @@
-"""Every command README.md, BUILD.md and docs/*.md show runs as shown (short settings).
+"""Every command README.md and docs/*.md show runs as shown (short settings).
 
 `COMMANDS` holds each command as the docs show it (whitespace collapsed) and what this
 test does with it: `run` is the same program and flags with short settings (one step,
@@ -27,7 +27,7 @@ import pytest
 from tests import conftest
 from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
-DOCS = ("README.md", "BUILD.md", *sorted(
+DOCS = ("README.md", *sorted(
     os.path.relpath(p, conftest.REPO_ROOT)
     for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "*.md"))))
 # A shell command starts with one of these (after VAR=value assignments) and has an
@@ -72,6 +72,7 @@ COMMANDS = [
             run="{python} -m exgrpo_jax.train --config=configs/tiny.py:no_shaping "
             "--workdir={tmp}/tiny --config.train.steps=1",
             expect=r"step 1/1"),
+    Command("python -m exgrpo_jax.fetch --config=configs/<model>.py", skip=NETWORK),
     Command("python -m exgrpo_jax.generate [--model PATH] --prompt \"...\" --chat",
             run="{python} -m exgrpo_jax.generate --model {workdir}/hf --prompt \"What is 7 + "
             "5?\" --chat --temperature 0 --max-new-tokens 8",
@@ -171,9 +172,15 @@ COMMANDS = [
     Command("python -m exgrpo_jax.prepare_data", skip=NETWORK),
     Command("python -m exgrpo_jax.prepare_data --out /data/exgrpo --datasets openr1_math_46k "
             "exgrpo_valid", skip=NETWORK),
-    Command("python -m exgrpo_jax.train --config=configs/qwen7b.py --workdir=runs/qwen7b "
-            "--config.model.path=/path/to/Qwen2.5-Math-7B",
-            skip="8 GPUs and Qwen2.5-Math-7B's weights"),
+    Command("python -m exgrpo_jax.fetch --config=configs/qwen7b_lora.py",
+            skip="downloads the model (network, 15 GB); tests/hub_test.py runs fetch with the "
+            "download replaced by a copy of the embedded model"),
+    Command("python -m exgrpo_jax.train --config=... --print_config",
+            run="{python} -m exgrpo_jax.train --config=configs/qwen7b_lora.py:h200x1 "
+            "--print_config", expect=r'"hub_id": "Elliott/Qwen2.5-Math-7B-16k-think"'),
+    Command("python -m exgrpo_jax.fetch --config=configs/qwen7b.py", skip=NETWORK),
+    Command("python -m exgrpo_jax.train --config=configs/qwen7b.py --workdir=runs/qwen7b",
+            skip="8 GPUs and Qwen2.5-Math-7B-16k-think's weights"),
     Command("python -m exgrpo_jax.train ...; [ $? -eq 75 ] && echo \"preempted: resubmit\"",
             covered="tests/fault_process_test.py::"
             "test_sigterm_and_ctrl_c_to_the_process_group_while_scoring"),

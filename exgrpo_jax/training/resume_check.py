@@ -31,7 +31,7 @@ FIXED = ("rollout.k", "model.path", "model.tokenizer", "model.random_init", "mod
 # Keys a resumed run may change without a word.
 FREE = ("model.remat", "model.attention", "model.matmul_precision", "data.dir",
         "rollout.engine", "rollout.max_rows", "rollout.scheduler", "rollout.kv_pages",
-        "rollout.kv_headroom", "rollout.vllm.",
+        "rollout.kv_headroom", "rollout.vllm.", "model.hub_id",
         "reward.num_workers", "reward.timeout_s", "optim.micro_batch_size", "train.steps",
         "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
         "train.logprob_chunk", "train.packing", "train.prompt_bucket", "train.export_dir",

@@ -355,7 +355,7 @@ class Trainer:
           self._export()  # also redoes an export that a killed run left unfinished
     finally:
       self.close()
-      self._lock.release()
+      self._lock.release(remove=True)  # a lock file left behind would name a dead pid
     return metrics
 
   def close(self) -> None:

@@ -13,10 +13,10 @@ mesh, micro-batch, slots, KV pool) with
   it covers: the reward is 0 throughout, which changes no program);
 - prompts of the plan's `data.max_prompt_tokens` (at most `SLACK` fewer), generated
   filler questions, since the plan prices every prompt at that bound;
-- `QUESTIONS` questions a step instead of 128 (a step at the plan's batch takes about
-  ten minutes), every response cut at `RESPONSE_TOKENS` by the sampler, while every
-  program stays as the plan compiled it (rows of prompt + 8,192 tokens, its slots and
-  pool). The learner's call scans fewer micro-batches than the plan's (`M`), so its
+- `QUESTIONS` questions a step instead of 128 (a mid-length step at the plan's batch takes
+  about 33 minutes on the H200 at the efficiency measured there, docs/aot.md), every
+  response cut at `RESPONSE_TOKENS` by the sampler, while every program stays as the
+  plan compiled it (rows of prompt + 8,192 tokens, its slots and pool). The learner's call scans fewer micro-batches than the plan's (`M`), so its
   batch arguments are smaller by some MB; the estimate prices the filled ones as a share
   of the plan's call.
 
