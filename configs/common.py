@@ -6,7 +6,9 @@ others are references, never copies: `replay.k` is `rollout.k` (an override of
 and `algo.norm_len` is `rollout.max_new_tokens`; overriding a derived value detaches
 it from its source (the source keeps its value).
 
-Variants (`:arg`), the paper's Table 6 ablations, are the overrides in `VARIANTS`.
+Variants (`:arg`), the paper's Table 6 ablations, are the overrides in `VARIANTS`; the
+paper configs also take `runlocal` (a quick smoke run) and `day` (`day_recipe`: a run
+on a budget of wall time, checkpointed and exported by the hour).
 
 Resuming a workdir with other values: K, the model, the data and `train.seed` are
 refused; run length, logging, checkpoints, evaluation, mesh and engine settings change
@@ -15,6 +17,8 @@ a warning line per key (exgrpo_jax/training/resume_check.py).
 """
 
 import dataclasses
+import math
+import os
 
 import ml_collections
 
@@ -183,6 +187,10 @@ def base_config() -> ml_collections.ConfigDict:
       seed=0,
       log_every=1,
       checkpoint_every=50,
+      # Also a checkpoint (export) after the first step that ends this many minutes of
+      # wall time after the last one or the start, whichever comes first; 0 = off.
+      checkpoint_every_minutes=0.0,
+      export_every_minutes=0.0,
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
       packing=True,           # learner/scoring pack responses into rows (False: one per row)
@@ -193,6 +201,11 @@ def base_config() -> ml_collections.ConfigDict:
       export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
       loggers="jsonl,tensorboard",  # comma-separated: jsonl | tensorboard | wandb
       compile_cache=True,     # JAX's persistent compilation cache (exgrpo_jax.compile_cache)
+      # Hours of wall time within which the run stops, evaluated, checkpointed and
+      # exported (training/budget.py); 0 = none. budget_plan: a plan JSON of
+      # `python -m exgrpo_jax.aot plan` whose step estimate sizes it at the start.
+      budget_hours=0.0,
+      budget_plan="",
   ))
 
   c.eval = ml_collections.ConfigDict(dict(
@@ -200,6 +213,7 @@ def base_config() -> ml_collections.ConfigDict:
       path="",
       every=10,               # and at the last step; 0 = no evaluation unless before_train=True
       limit=0,
+      subset="first",         # which eval.limit questions: first | spread (evenly over the file)
       temperature=0.6,
       max_new_tokens=8192,
       n=1,                    # samples per question: val/avg_score is avg@n
@@ -217,20 +231,54 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def lora_on_small_hardware(paper_config, planned: dict,
-                           arg: str | None) -> ml_collections.ConfigDict:
+# The plans of `python -m exgrpo_jax.aot plan` for the configs: aot_<config>_<target>.json.
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                       "results")
+# The day recipe: training hours (a day's rental less two for the install, the
+# download, the data and serving the export), checkpoints and exports by the hour, and
+# an evaluation of this many held-out problems spread over every benchmark, about this
+# share of the training time (an evaluation row costs about a rollout row).
+DAY_HOURS = 22.0
+DAY_EVERY_MINUTES = 60.0
+DAY_EVAL_PROBLEMS = 512
+DAY_EVAL_SHARE = 0.1
+
+
+def day_recipe(c: ml_collections.ConfigDict, plan: str = "") -> ml_collections.ConfigDict:
+  """Config `c` as a run on a budget (`:day`; docs/data.md, "A run on a budget"): it
+  stops, evaluated, checkpointed and exported, within DAY_HOURS (`train.budget_hours`,
+  sized at the start from `plan`, a plan file's path, where there is one); checkpoints
+  and exports every DAY_EVERY_MINUTES beside `train.checkpoint_every`; evaluates before
+  training and every few steps on DAY_EVAL_PROBLEMS spread over the benchmarks (fewer
+  where `eval.limit` already asks fewer), as often as keeps evaluation to about
+  DAY_EVAL_SHARE of the training time."""
+  c.train.budget_hours = DAY_HOURS
+  c.train.budget_plan = plan
+  c.train.checkpoint_every_minutes = DAY_EVERY_MINUTES
+  c.train.export_every_minutes = DAY_EVERY_MINUTES
+  c.eval.limit = min(c.eval.limit or DAY_EVAL_PROBLEMS, DAY_EVAL_PROBLEMS)
+  c.eval.subset = "spread"
+  c.eval.before_train = True
+  rows = c.train.batch_questions * c.rollout.k
+  c.eval.every = math.ceil(c.eval.limit * c.eval.n / (DAY_EVAL_SHARE * rows))
+  return c
+
+
+def lora_on_small_hardware(paper_config, planned: dict, arg: str | None,
+                           name: str = "") -> ml_collections.ConfigDict:
   """A paper config (`paper_config(variant)`) as a LoRA run for one GPU or a v5e-8
   (docs/lora.md): the base frozen in bfloat16 (`model.param_dtype`, the compute dtype),
   rank-16 adapters (alpha 16) on every attention and MLP projection at 10 times the full
-  fine-tuning learning rate. `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a device of
-  `planned` sets the mesh, micro-batch, rollout slots and KV pool the planner chose for
-  it; without one they are left for `python -m exgrpo_jax.aot plan`."""
+  fine-tuning learning rate. `arg`: DEVICE, VARIANT or DEVICE,VARIANT (with `day` too);
+  a device of `planned` sets the mesh, micro-batch, rollout slots and KV pool the planner
+  chose for it; without one they are left for `python -m exgrpo_jax.aot plan`. `day`
+  budgets the run from the device's plan, RESULTS/aot_<name>_<device>.json."""
   parts = arg.split(",") if arg else []
   device = next((p for p in parts if p in planned), None)
   variants = [p for p in parts if p != device]
-  if len(variants) > 1:
+  if len([p for p in variants if p not in MODIFIERS]) > 1:
     raise ValueError(f"{arg!r}: one device of {', '.join(planned)} and one variant at most")
-  c = paper_config(variants[0] if variants else None)
+  c = paper_config(",".join(variants) or None)
   c.model.param_dtype = "bfloat16"
   c.model.lora.rank = 16
   c.model.lora.alpha = 16.0
@@ -240,6 +288,8 @@ def lora_on_small_hardware(paper_config, planned: dict,
   c.optim.micro_batch_size = chosen.get("micro_batch_size", c.optim.micro_batch_size)
   c.rollout.max_rows = chosen["max_rows"]
   c.rollout.kv_pages = chosen["kv_pages"]
+  if c.train.budget_hours:  # day: the paper config's plan is for 8 H100s, not this device
+    c.train.budget_plan = os.path.join(RESULTS, f"aot_{name}_{device}.json") if device else ""
   return c
 
 
@@ -253,27 +303,36 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> ml_collections.
   return c
 
 
-def parse_arg(arg: str | None) -> tuple[str, bool]:
-  """'variant' or 'variant,runlocal' -> (variant, runlocal)."""
+# What a paper config's argument may add to its variant.
+MODIFIERS = ("runlocal", "day")
+
+
+def parse_arg(arg: str | None) -> tuple[str, set[str]]:
+  """'variant[,runlocal][,day]' (any order) -> (variant, the MODIFIERS given)."""
   parts = [p for p in (arg or "").split(",") if p]
-  runlocal = "runlocal" in parts
-  rest = [p for p in parts if p != "runlocal"]
+  rest = [p for p in parts if p not in MODIFIERS]
   if len(rest) > 1:
-    raise ValueError(f"config arg {arg!r}: give at most one variant (and 'runlocal')")
-  return (rest[0] if rest else "exgrpo"), runlocal
+    raise ValueError(f"config arg {arg!r}: give at most one variant (and "
+                     f"{' or '.join(repr(m) for m in MODIFIERS)})")
+  return (rest[0] if rest else "exgrpo"), set(parts) & set(MODIFIERS)
 
 
 def local_variant(arg: str | None, config_file: str) -> str:
-  """The variant of a config that already runs locally: 'runlocal' is refused by name."""
-  variant, runlocal = parse_arg(arg)
-  if runlocal:
+  """The variant of a config that already runs locally: the modifiers are refused by name."""
+  variant, modifiers = parse_arg(arg)
+  if "runlocal" in modifiers:
     raise ValueError(f"{config_file}: 'runlocal' shrinks the GPU configs; this config "
                      "already runs locally (give a variant alone)")
+  if "day" in modifiers:
+    raise ValueError(f"{config_file}: 'day' budgets the paper configs' day-long runs; "
+                     "this config runs in minutes (set --config.train.budget_hours "
+                     "instead)")
   return variant
 
 
 def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_start: float,
-                 mesh_shape=(-1, 1), max_rows=0, kv_pages=0) -> ml_collections.ConfigDict:
+                 mesh_shape=(-1, 1), max_rows=0, kv_pages=0,
+                 plan: str = "") -> ml_collections.ConfigDict:
   """The paper's GPU recipe for one backbone (8 GPUs, B=128, K=8, 8192 new tokens).
 
   The model configs take `mesh_shape`, `max_rows` (`rollout.max_rows`, rows per
@@ -282,9 +341,11 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   docs/results/aot_<config>_h100x8.json); docs/aot.md ("Memory plan") gives the flags for
   8 H200s and a TPU v5p-8.
 
-  `runlocal` in `arg` shrinks batch and lengths for a quick smoke run of the same model.
+  `runlocal` in `arg` shrinks batch and lengths for a quick smoke run of the same model;
+  `day` makes it a run on a budget (`day_recipe`), sized from `plan` (the plan's file
+  name under RESULTS, for 8 H100s).
   """
-  variant, runlocal = parse_arg(arg)
+  variant, modifiers = parse_arg(arg)
   c = base_config()
   c.model.path = model_path  # a local HF directory; override with --config.model.path=...
   c.data.train_path = "openr1_math_46k.parquet"  # under data.dir: prepare_data writes it
@@ -296,8 +357,10 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   c.mesh.shape = mesh_shape
   c.rollout.max_rows = max_rows
   c.rollout.kv_pages = kv_pages
-  if runlocal:
+  if "runlocal" in modifiers:
     c.train.batch_questions = 8
     c.rollout.max_new_tokens = 512
     c.eval.limit = 64
+  if "day" in modifiers:
+    day_recipe(c, os.path.join(RESULTS, plan) if plan else "")
   return apply_variant(c, variant)

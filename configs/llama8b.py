@@ -13,4 +13,5 @@ def get_config(arg=None):
   return common.paper_config(arg, model_path="checkpoints/Llama-3.1-8B",
                              template="plain", steps=500, delayed_start=0.0,
                              mesh_shape=(-1, 8), max_rows=1024,
-                             kv_pages=60320)  # the planner, h100x8 (docs/aot.md)
+                             kv_pages=60320,  # the planner, h100x8 (docs/aot.md)
+                             plan="aot_llama8b_h100x8.json")

@@ -18,4 +18,4 @@ PLANNED = {
 
 
 def get_config(arg=None):
-  return common.lora_on_small_hardware(llama8b.get_config, PLANNED, arg)
+  return common.lora_on_small_hardware(llama8b.get_config, PLANNED, arg, name="llama8b_lora")

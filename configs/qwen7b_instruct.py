@@ -12,4 +12,5 @@ def get_config(arg=None):
   return common.paper_config(arg, model_path="checkpoints/Qwen2.5-7B-Instruct",
                              template="exgrpo_think", steps=500, delayed_start=0.35,
                              mesh_shape=(-1, 4), max_rows=1024,
-                             kv_pages=137800)  # the planner, h100x8 (docs/aot.md)
+                             kv_pages=137800,  # the planner, h100x8 (docs/aot.md)
+                             plan="aot_qwen7b_h100x8.json")  # the same shapes

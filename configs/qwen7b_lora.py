@@ -23,4 +23,4 @@ PLANNED = {
 
 
 def get_config(arg=None):
-  return common.lora_on_small_hardware(qwen7b.get_config, PLANNED, arg)
+  return common.lora_on_small_hardware(qwen7b.get_config, PLANNED, arg, name="qwen7b_lora")

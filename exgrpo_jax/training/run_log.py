@@ -152,9 +152,9 @@ class RunLog:
       return
     done = step - self._start_step
     elapsed = time.time() - self._start_time
-    eta = _hms(elapsed / done * (self.total_steps - step)) if done > 0 else "?"
+    eta = hms(elapsed / done * (self.total_steps - step)) if done > 0 else "?"
     parts = [f"{label}={_to_float(metrics[k]):.4g}" for k, label in PROGRESS if k in metrics]
-    print(f"step {step}/{self.total_steps} [{_hms(elapsed)}<{eta}] " + " ".join(parts),
+    print(f"step {step}/{self.total_steps} [{hms(elapsed)}<{eta}] " + " ".join(parts),
           flush=True)
 
   def eval_samples(self, step: int, responses: list[dict]) -> None:
@@ -180,7 +180,7 @@ def _to_float(v):
   return float(np.asarray(v))
 
 
-def _hms(seconds: float) -> str:
+def hms(seconds: float) -> str:
   seconds = int(seconds)
   return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
