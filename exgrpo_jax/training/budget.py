@@ -228,12 +228,23 @@ class RunClock:
                    + "at the end)")
     return parts
 
+  def _ahead(self, step: int, now: float) -> tuple[int, float]:
+    """(steps, seconds) until the run stops: the steps the rest of the budget holds at
+    the pace measured so far, and the time they and the end's work take."""
+    all_in, end_s = max(self._all_in_s(now), 1e-9), self._end_s()
+    left = self.config.train.steps - step
+    more = min(left, max(int((self.budget_s - (now - self.start) - end_s) // all_in), 0))
+    return more, more * all_in + end_s
+
+  def eta_s(self, step: int, now: float) -> float | None:
+    """Seconds until the budget's run stops (None without a budget)."""
+    return self._ahead(step, now)[1] if self.budget_s else None
+
   def progress_line(self, step: int, now: float) -> str:
     """Where the budget stands after `step`, from the steps measured so far."""
-    elapsed, all_in, end_s = now - self.start, self._all_in_s(now), self._end_s()
+    elapsed, all_in = now - self.start, self._all_in_s(now)
     left = self.config.train.steps - step
-    more = min(left, max(int((self.budget_s - elapsed - end_s) // all_in), 0))
-    until = more * all_in + end_s
+    more, until = self._ahead(step, now)
     at = datetime.datetime.now() + datetime.timedelta(seconds=until)
     held = f"the remaining {left} steps" if more == left else f"about {more} more steps"
     return (f"budget: step {step} at {run_log.hms(elapsed)} of {run_log.hms(self.budget_s)}, "

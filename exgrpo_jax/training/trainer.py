@@ -373,7 +373,7 @@ class Trainer:
           self.log.write(st.step, metrics)
           run_guard.check_finite(st.step, metrics, st.store.latest_step())
           if st.step % cfg.train.log_every == 0:
-            self.log.progress(st.step, metrics)
+            self.log.progress(st.step, metrics, clock.eta_s(st.step, time.monotonic()))
           saving = (st.step % cfg.train.checkpoint_every == 0 or last
                     or self._due(clock.checkpoint))
           if saving:
