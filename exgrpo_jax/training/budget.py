@@ -6,14 +6,15 @@ hours within which the run stops usable (docs/data.md, "A run on a budget").
   clock.stepped(step_seconds, now); clock.room_for_another(now, evaluating=...)
   clock.start_lines(step, eval_problems, now); clock.progress_line(step, now)
 
+Times count from the trainer's start (`start`; loading the model included).
 `train.checkpoint_every_minutes` and `train.export_every_minutes` (0: off) count from
-this process's start and from the last checkpoint or export, whatever caused it; they
-act between steps, beside `train.checkpoint_every`, so a killed run loses at most that
-many minutes and a step. `train.budget_hours` (0: none) is this process's wall time:
-after each step the run takes another only if a step as measured and the end's
-evaluation, checkpoint and export (as last measured) still fit; otherwise the step just
-taken is the last, evaluated, checkpointed and exported. The first step of a process
-always runs: nothing is measured yet (its time includes the compiles).
+it and from the last checkpoint or export, whatever caused it; they act between steps,
+beside `train.checkpoint_every`, so a killed run loses at most that many minutes and a
+step. `train.budget_hours` (0: none): after each step the run takes another only if a
+step as measured and the end's evaluation, checkpoint and export (as last measured)
+still fit; otherwise the step just taken is the last, evaluated, checkpointed and
+exported. The first step of a process always runs: nothing is measured yet (its time
+includes the compiles).
 
 `train.budget_plan` names a plan of `python -m exgrpo_jax.aot plan` for the run's
 config and device; its mid-length step (`mid_step`) sizes the budget in the start-up
