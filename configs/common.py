@@ -6,7 +6,9 @@ others are references, never copies: `replay.k` is `rollout.k` (an override of
 and `algo.norm_len` is `rollout.max_new_tokens`; overriding a derived value detaches
 it from its source (the source keeps its value).
 
-Variants (`:arg`), the paper's Table 6 ablations, are the overrides in `VARIANTS`.
+Variants (`:arg`), the paper's Table 6 ablations, are the overrides in `VARIANTS`; the
+paper configs also take `runlocal` (a quick smoke run) and `day` (`day_recipe`: a run
+on a budget of wall time, checkpointed and exported by the hour).
 
 Resuming a workdir with other values: K, the model, the data and `train.seed` are
 refused; run length, logging, checkpoints, evaluation, mesh and engine settings change
@@ -16,6 +18,7 @@ a warning line per key (exgrpo_jax/training/resume_check.py).
 
 import dataclasses
 import json
+import math
 import os
 
 import ml_collections
@@ -192,6 +195,10 @@ def base_config() -> ml_collections.ConfigDict:
       seed=0,
       log_every=1,
       checkpoint_every=50,
+      # Also a checkpoint (export) after the first step that ends this many minutes of
+      # wall time after the last one or the start, whichever comes first; 0 = off.
+      checkpoint_every_minutes=0.0,
+      export_every_minutes=0.0,
       keep_checkpoints=2,
       logprob_chunk=512,      # sequence chunk for log-prob/entropy (memory bound)
       packing=True,           # learner/scoring pack responses into rows (False: one per row)
@@ -202,6 +209,11 @@ def base_config() -> ml_collections.ConfigDict:
       export_dir="hf",        # final policy as an HF directory under the workdir ("" = no)
       loggers="jsonl,tensorboard",  # comma-separated: jsonl | tensorboard | wandb
       compile_cache=True,     # JAX's persistent compilation cache (exgrpo_jax.compile_cache)
+      # Hours of wall time within which the run stops, evaluated, checkpointed and
+      # exported (training/budget.py); 0 = none. budget_plan: a plan JSON of
+      # `python -m exgrpo_jax.aot plan` whose step estimate sizes it at the start.
+      budget_hours=0.0,
+      budget_plan="",
   ))
 
   c.eval = ml_collections.ConfigDict(dict(
@@ -209,6 +221,7 @@ def base_config() -> ml_collections.ConfigDict:
       path="",
       every=10,               # and at the last step; 0 = no evaluation unless before_train=True
       limit=0,
+      subset="first",         # which eval.limit questions: first | spread (evenly over the file)
       temperature=0.6,
       max_new_tokens=8192,
       n=1,                    # samples per question: val/avg_score is avg@n
@@ -241,6 +254,8 @@ def lora_on_small_hardware(paper_config, plans: str,
   c.model.lora.rank = 16
   c.model.lora.alpha = 16.0
   c.optim.lr = 1e-5  # 10 x the paper's 1e-6
+  if c.train.budget_hours:  # day: the budget's plan is this device's, not 8 H100s'
+    c.train.budget_plan = plan_path(plans, device) if device else ""
   chosen = (planned(plans, device) if device
             else dict(mesh_shape=(-1, 1), max_rows=0, kv_pages=0))
   return with_plan(c, chosen)
@@ -250,11 +265,15 @@ PLANS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                      "results")
 
 
+def plan_path(plans: str, device: str) -> str:
+  return os.path.join(PLANS, f"aot_{plans}_{device}.json")
+
+
 def planned(plans: str, device: str) -> dict:
   """The settings the committed plan of `plans` (a config's name, or that of a config of
   its model's shapes) on `device` chose: PLANS/aot_<plans>_<device>.json. A device
   without a plan, or whose plan fits nothing, is a ValueError saying what to do."""
-  path = os.path.join(PLANS, f"aot_{plans}_{device}.json")
+  path = plan_path(plans, device)
   if not os.path.exists(path):
     have = sorted(f[len(f"aot_{plans}_"):-5] for f in os.listdir(PLANS)
                   if f.startswith(f"aot_{plans}_") and f[len(f"aot_{plans}_"):-5] in
@@ -282,6 +301,36 @@ def with_plan(c: ml_collections.ConfigDict, chosen: dict) -> ml_collections.Conf
   return c
 
 
+# The day recipe: training hours (a day's rental less two for the install, the
+# download, the data and serving the export), checkpoints and exports by the hour, and
+# an evaluation of this many held-out problems spread over every benchmark, about this
+# share of the training time (an evaluation row costs about a rollout row).
+DAY_HOURS = 22.0
+DAY_EVERY_MINUTES = 60.0
+DAY_EVAL_PROBLEMS = 512
+DAY_EVAL_SHARE = 0.1
+
+
+def day_recipe(c: ml_collections.ConfigDict, plan: str = "") -> ml_collections.ConfigDict:
+  """Config `c` as a run on a budget (`:day`; docs/data.md, "A run on a budget"): it
+  stops, evaluated, checkpointed and exported, within DAY_HOURS (`train.budget_hours`,
+  sized at the start from `plan`, a plan file's path, where there is one); checkpoints
+  and exports every DAY_EVERY_MINUTES beside `train.checkpoint_every`; evaluates before
+  training and every few steps on DAY_EVAL_PROBLEMS spread over the benchmarks (fewer
+  where `eval.limit` already asks fewer), as often as keeps evaluation to about
+  DAY_EVAL_SHARE of the training time."""
+  c.train.budget_hours = DAY_HOURS
+  c.train.budget_plan = plan
+  c.train.checkpoint_every_minutes = DAY_EVERY_MINUTES
+  c.train.export_every_minutes = DAY_EVERY_MINUTES
+  c.eval.limit = min(c.eval.limit or DAY_EVAL_PROBLEMS, DAY_EVAL_PROBLEMS)
+  c.eval.subset = "spread"
+  c.eval.before_train = True
+  rows = c.train.batch_questions * c.rollout.k
+  c.eval.every = math.ceil(c.eval.limit * c.eval.n / (DAY_EVAL_SHARE * rows))
+  return c
+
+
 def apply_variant(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
   """Applies one of VARIANTS (the paper's Table 6 ablations) to config `c`."""
   if variant not in VARIANTS:
@@ -292,18 +341,22 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> ml_collections.
   return c
 
 
-def parse_arg(arg: str | None, devices: bool = True) -> tuple[str | None, str, bool]:
-  """'[DEVICE,][VARIANT][,runlocal]' -> (DEVICE or None, VARIANT, runlocal): a DEVICE is
-  a target of `python -m exgrpo_jax.aot`, a VARIANT one of VARIANTS; anything else is a
-  ValueError naming what the config takes (no devices and no 'runlocal' where not
-  `devices`: a config that runs on this machine as it is)."""
+# What a paper config's argument may add to its device and variant.
+MODIFIERS = ("runlocal", "day")
+
+
+def parse_arg(arg: str | None, devices: bool = True) -> tuple[str | None, str, set[str]]:
+  """'[DEVICE,][VARIANT][,runlocal][,day]' -> (DEVICE or None, VARIANT, the MODIFIERS
+  given): a DEVICE is a target of `python -m exgrpo_jax.aot`, a VARIANT one of VARIANTS;
+  anything else is a ValueError naming what the config takes (no devices and no
+  MODIFIERS where not `devices`: a config that runs on this machine as it is)."""
   parts = [p for p in (arg or "").split(",") if p]
-  takes = (*(targets.TARGETS if devices else ()), *VARIANTS, *(("runlocal",) if devices
+  takes = (*(targets.TARGETS if devices else ()), *VARIANTS, *(MODIFIERS if devices
                                                                else ()))
   unknown = [p for p in parts if p not in takes]
   chosen = [p for p in parts if p in targets.TARGETS], [p for p in parts if p in VARIANTS]
   if unknown or len(chosen[0]) > 1 or len(chosen[1]) > 1:
-    what = ("at most one device and one variant (and 'runlocal')" if devices
+    what = ("at most one device and one variant (and 'runlocal', 'day')" if devices
             else "one variant")
     raise ValueError(
         f"config argument {arg!r}: give {what}"
@@ -311,7 +364,7 @@ def parse_arg(arg: str | None, devices: bool = True) -> tuple[str | None, str, b
         f"{'devices: ' + ', '.join(targets.TARGETS) + '; ' if devices else ''}"
         f"variants: {', '.join(VARIANTS)}")
   return (chosen[0][0] if chosen[0] else None, chosen[1][0] if chosen[1] else "exgrpo",
-          "runlocal" in parts)
+          set(parts) & set(MODIFIERS))
 
 
 def local_variant(arg: str | None) -> str:
@@ -328,9 +381,9 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   (`rollout.max_rows`) and KV pool (`rollout.kv_pages`) are the committed plan's for
   DEVICE (`planned`: docs/results/aot_<plans>_<DEVICE>.json), by default 8 H100s'
   (docs/aot.md). `runlocal` shrinks batch and lengths for a quick smoke run of the same
-  model.
+  model; `day` makes it a run on a budget (`day_recipe`) sized from that plan.
   """
-  device, variant, runlocal = parse_arg(arg)
+  device, variant, modifiers = parse_arg(arg)
   c = base_config()
   c.model.path = model_path  # a local HF directory; override with --config.model.path=...
   # The hub model it names (checkpoints/<name>): while model.path is not on disk, a run
@@ -343,8 +396,10 @@ def paper_config(arg, *, model_path: str, template: str, steps: int, delayed_sta
   c.train.steps = steps
   c.algo.delayed_start = delayed_start
   with_plan(c, planned(plans, device or "h100x8"))
-  if runlocal:
+  if "runlocal" in modifiers:
     c.train.batch_questions = 8
     c.rollout.max_new_tokens = 512
     c.eval.limit = 64
+  if "day" in modifiers:
+    day_recipe(c, plan_path(plans, device or "h100x8"))
   return apply_variant(c, variant)

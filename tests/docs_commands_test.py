@@ -184,6 +184,20 @@ COMMANDS = [
     Command("python -m exgrpo_jax.train ...; [ $? -eq 75 ] && echo \"preempted: resubmit\"",
             covered="tests/fault_process_test.py::"
             "test_sigterm_and_ctrl_c_to_the_process_group_while_scoring"),
+    Command("python -m exgrpo_jax.train --config=configs/qwen7b_lora.py:h100x1,day "
+            "--workdir=runs/qwen7b_lora_day "
+            "--config.model.path=/path/to/Qwen2.5-Math-7B-16k-think",
+            skip="Qwen2.5-Math-7B's weights and one H100; budget_test holds the day config to "
+            "its plan and checks the lines it prints at the start"),
+    Command("python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/budget "
+            "--config.train.steps=100 --config.train.checkpoint_every=50 "
+            "--config.train.budget_hours=0.02 --config.train.checkpoint_every_minutes=0.25 "
+            "--config.train.export_every_minutes=0.5",
+            run="{python} -m exgrpo_jax.train --config=configs/tiny.py --workdir={tmp}/budget "
+            "--config.train.steps=100 --config.train.checkpoint_every=50 "
+            "--config.train.budget_hours=1e-9 --config.train.checkpoint_every_minutes=0.25 "
+            "--config.train.export_every_minutes=0.5",
+            expect=r"budget: stopping after step 1, "),
     Command("pip install -e \".[reasoning_gym]\"", skip=INSTALL),
     Command("python -m exgrpo_jax.convert --src runs/qwen7b --dst out/",
             skip="needs the qwen7b run (GPUs); README's convert command runs the same on the "

@@ -8,7 +8,10 @@ resume path. The delayed start (0.55) fires at the end of step 1 (accuracy 0.625
 the replay flag is on the resume path too: step 1 only retires, later steps store and
 replay. Run A trains 4 steps uninterrupted while run B (started alongside) is
 killed with SIGKILL as soon as its step-2 checkpoint is on disk (so mid step 3), then
-rerun with the same workdir.
+rerun with the same workdir. In the `wall_time` case both checkpoint and export by wall
+time only (`train.checkpoint_every_minutes`, `train.export_every_minutes`; minutes so
+small that every step is due), as a day's run does by the hour: the killed run leaves
+a checkpoint taken by wall time and a complete export, and resumes from the former.
 """
 
 import json
@@ -23,6 +26,7 @@ import numpy as np
 import pytest
 
 from exgrpo_jax import checkpointing
+from exgrpo_jax.models import export
 from exgrpo_jax.training import run_log
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,12 +70,20 @@ def _wait_for_checkpoint(proc: subprocess.Popen, workdir: str, step: int) -> Non
 
 
 # The LoRA case is slow (2.5 min on 2 cores): its checkpoint's content, the adapters, is
-# what differs, and lora_test covers that in the default suite.
+# what differs, and lora_test covers that in the default suite. The wall-time case is
+# slow too: budget_test checkpoints and exports by wall time in the default suite.
+WALL_TIME = ("--config.train.checkpoint_every=100",
+             "--config.train.checkpoint_every_minutes=1e-9",
+             "--config.train.export_every_minutes=1e-9")
+
+
 @pytest.mark.parametrize("flags", [
     (), pytest.param(("--config.model.lora.rank=4", "--config.optim.lr=1e-3"),
-                     marks=pytest.mark.slow)], ids=["full", "lora"])
+                     marks=pytest.mark.slow),
+    pytest.param(WALL_TIME, marks=pytest.mark.slow)], ids=["full", "lora", "wall_time"])
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, flags):
-  """Also for a LoRA run, whose checkpoints hold the adapters (compared at the end)."""
+  """Also for a LoRA run, whose checkpoints hold the adapters (compared at the end), and
+  for checkpoints and exports taken by wall time."""
   reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
   reference_proc, proc = _start(reference, *flags), _start(killed, *flags)
   _wait_for_checkpoint(proc, killed, 2)
@@ -82,6 +94,12 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, flags):
   survived = checkpointing.CheckpointStore(killed, keep=STEPS)
   assert 2 <= survived.latest_step() < STEPS, "the kill did not land mid-run"
   survived.close()
+  if flags == WALL_TIME:
+    with open(os.path.join(killed, "config.json"), encoding="utf-8") as f:
+      assert json.load(f)["train"]["checkpoint_every"] == 100  # so step 2's was by time
+    # Each step's export followed its checkpoint, before the next step.
+    with open(os.path.join(killed, "hf", export.EXPORT_INFO), encoding="utf-8") as f:
+      assert json.load(f)["step"] >= 1
 
   _finish(_start(killed, *flags))
 

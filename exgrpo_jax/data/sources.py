@@ -10,7 +10,8 @@
               scored by its own verifier; the eval split is held out from training
 
 A source is a function (config, split) -> LoadResult; register more with
-`@SOURCES.register(name)`. `data.limit` / `eval.limit` keep the first N questions.
+`@SOURCES.register(name)`. `data.limit` / `eval.limit` keep the first N questions
+(`eval.subset="spread"`: N spread evenly over the held-out questions, `spread`).
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from exgrpo_jax.data import rgym
 
 SOURCES = registry.Registry("data source")
 SPLITS = ("train", "eval")
+SUBSETS = ("first", "spread")  # eval.subset
 
 
 def source_name(config, split: str) -> str:
@@ -32,8 +34,23 @@ def source_name(config, split: str) -> str:
 
 
 def load(config, split: str) -> questions_lib.LoadResult:
-  """The questions of `split` from its configured source."""
-  return SOURCES.get(source_name(config, split))(config, split)
+  """The questions of `split` from its configured source (`eval.subset` "spread": the
+  `eval.limit` held-out questions spread evenly over all of them)."""
+  source = SOURCES.get(source_name(config, split))
+  if split == "train" or config.eval.subset == "first" or not config.eval.limit:
+    return source(config, split)
+  whole = config.copy_and_resolve_references()
+  whole.eval.limit = 0
+  loaded = source(whole, split)
+  return dataclasses.replace(loaded, questions=spread(loaded.questions, config.eval.limit))
+
+
+def spread(items: list, n: int) -> list:
+  """`n` of `items` at even intervals from the first (all of them if `n` is not fewer):
+  a file grouped by benchmark keeps each benchmark's share, give or take one."""
+  if n >= len(items):
+    return list(items)
+  return [items[len(items) * i // n] for i in range(n)]
 
 
 def has_eval_data(config) -> bool:

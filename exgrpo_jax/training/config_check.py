@@ -254,6 +254,17 @@ def _check(c) -> None:
            f"larger than a mini-batch ({per_mini} responses = train.batch_questions x "
            "rollout.k / optim.mini_batches): the rest would be padding")
 
+  for key in ("checkpoint_every_minutes", "export_every_minutes", "budget_hours"):
+    _range(c, f"train.{key}", 0)
+  _require(not t.export_every_minutes or bool(t.export_dir), "train.export_every_minutes",
+           t.export_every_minutes, "needs train.export_dir (the directory exports go to), "
+           "which is empty")
+  if not t.budget_hours:
+    _unread("train.budget_plan", t.budget_plan, "", "train.budget_hours above 0",
+            "budget_hours is 0", "add --config.train.budget_hours=HOURS")
+  elif t.budget_plan:
+    _file("train.budget_plan", t.budget_plan)  # its content: budget.read_plan
+
   try:
     run_log.parse_loggers(t.loggers)
   except ValueError as e:
@@ -269,6 +280,10 @@ def _check(c) -> None:
     if e.source == "file":
       _data("eval.path", e.path, c.data.dir, "eval.source")
     _range(c, "eval.limit", 0)
+    _known("eval.subset", e.subset, data_sources.SUBSETS)
+    if not e.limit:
+      _unread("eval.subset", e.subset, "first", "eval.limit above 0", "limit is 0 (all)",
+              "add --config.eval.limit=N")
     _range(c, "eval.temperature", 0)
     _range(c, "eval.max_new_tokens", 0, low_open=True)
     _range(c, "eval.n", 1)

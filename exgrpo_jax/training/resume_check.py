@@ -33,7 +33,9 @@ FREE = ("model.remat", "model.attention", "model.matmul_precision", "data.dir",
         "rollout.engine", "rollout.max_rows", "rollout.scheduler", "rollout.kv_pages",
         "rollout.kv_headroom", "rollout.vllm.", "model.hub_id",
         "reward.num_workers", "reward.timeout_s", "optim.micro_batch_size", "train.steps",
-        "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+        "train.log_every", "train.checkpoint_every", "train.checkpoint_every_minutes",
+        "train.export_every_minutes", "train.budget_hours", "train.budget_plan",
+        "train.keep_checkpoints",
         "train.logprob_chunk", "train.packing", "train.prompt_bucket", "train.export_dir",
         "train.loggers", "train.compile_cache", "eval.", "mesh.")
 # ModelConfig fields that follow the run's config, not the weights.

@@ -146,15 +146,19 @@ class RunLog:
     for logger in self._loggers:
       logger.write(step, clean)
 
-  def progress(self, step: int, metrics: dict) -> None:
-    """One console line: step, ETA and the headline metrics."""
+  def progress(self, step: int, metrics: dict, eta_s: float | None = None) -> None:
+    """One console line: step, ETA (`eta_s` where the caller knows it better than the
+    pace to `total_steps` does: a budget's end) and the headline metrics."""
     if not self.enabled:
       return
     done = step - self._start_step
     elapsed = time.time() - self._start_time
-    eta = _hms(elapsed / done * (self.total_steps - step)) if done > 0 else "?"
+    if eta_s is not None:
+      eta = hms(eta_s)
+    else:
+      eta = hms(elapsed / done * (self.total_steps - step)) if done > 0 else "?"
     parts = [f"{label}={_to_float(metrics[k]):.4g}" for k, label in PROGRESS if k in metrics]
-    print(f"step {step}/{self.total_steps} [{_hms(elapsed)}<{eta}] " + " ".join(parts),
+    print(f"step {step}/{self.total_steps} [{hms(elapsed)}<{eta}] " + " ".join(parts),
           flush=True)
 
   def eval_samples(self, step: int, responses: list[dict]) -> None:
@@ -180,7 +184,7 @@ def _to_float(v):
   return float(np.asarray(v))
 
 
-def _hms(seconds: float) -> str:
+def hms(seconds: float) -> str:
   seconds = int(seconds)
   return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 

@@ -11,11 +11,14 @@ samples, K-1 for a replayed question; pi_old from the rollout or recomputed, see
 advantages), remember (7: retire K/K, bucket and store 1..K-1), learn (8:
 `optim.mini_batches` jitted AdamW steps) and update the phase (9: the delayed start).
 Metrics go to JSONL/TensorBoard, checkpoints are written every `train.checkpoint_every`
-steps and on SIGTERM / Ctrl-C, and the run evaluates on `eval.source` every `eval.every`
-steps and at the last one (`eval.every = 0`: never), and at step 0 per
-`eval.before_train` (`evaluates_before_training`). A line goes to stderr before each
-first compile and each evaluation (announce.py). The workdir is locked for the run; a
-non-finite loss stops it (run_guard.py).
+steps or `train.checkpoint_every_minutes`, whichever comes first, and on SIGTERM /
+Ctrl-C, exports every `train.export_every_minutes` and at the end, and the run evaluates
+on `eval.source` every `eval.every` steps and at the last one (`eval.every = 0`: never),
+and at step 0 per `eval.before_train` (`evaluates_before_training`). With
+`train.budget_hours` the last step is the one after which another would not fit
+(budget.py). A line goes to stderr before each first compile and each evaluation
+(announce.py). The workdir is locked for the run; a non-finite loss stops it
+(run_guard.py).
 """
 
 import contextlib
@@ -35,6 +38,7 @@ from exgrpo_jax.replay import buckets
 from exgrpo_jax.sampling import vllm_setup
 from exgrpo_jax.training import actor as actor_lib
 from exgrpo_jax.training import announce
+from exgrpo_jax.training import budget
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import grading
 from exgrpo_jax.training import groups as groups_lib
@@ -73,8 +77,10 @@ class Trainer:
   """Owns the run: state, rollout engine, grader and the bound learner."""
 
   def __init__(self, config, workdir: str, engine=None):
+    started = time.monotonic()  # the budget's and the wall-time cadences' start
     config_check.check(config)
     config_check.check_export_dir(config, workdir)
+    self.clock = budget.RunClock(config, started, *budget.plan_estimate(config))
     self.notices = announce.Notices()  # before anything compiles
     for line in config_check.ignored(config):
       self.notices.say(f"warning: {line}")
@@ -299,56 +305,89 @@ class Trainer:
     self._stop_requested = distributed.any_process(stop.requested is not None)
     return self._stop_requested
 
+  def _due(self, cadence: budget.Cadence) -> bool:
+    # Each process's clock differs a little; all must checkpoint at the same step.
+    return bool(cadence.minutes) and distributed.any_process(cadence.due(time.monotonic()))
+
+  def _budget_spent(self, evaluating: bool) -> bool:
+    """Whether the step just taken is the budget's last (then says so)."""
+    if not self.config.train.budget_hours:
+      return False
+    spent = distributed.any_process(
+        not self.clock.room_for_another(time.monotonic(), evaluating))
+    if spent:
+      self.notices.say(self.clock.stop_line(self.state.step, time.monotonic()))
+    return spent
+
+  def _save(self) -> None:
+    with self.clock.checkpoint.timed():
+      self.state.save()
+
   def _export(self) -> None:
-    """The final policy as an HF directory (`<workdir>/<train.export_dir>`)."""
+    """The policy as an HF directory (`<workdir>/<train.export_dir>`)."""
     st = self.state
     dst = os.path.join(self.workdir, self.config.train.export_dir)
-    if jax.process_count() > 1:
-      print(f"multi-host run: export with `python -m exgrpo_jax.convert --src "
-            f"{self.workdir} --dst {dst}`", flush=True)
-      return
-    t = time.time()
-    models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source,
-                           info={"step": st.step})
-    print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
+    with self.clock.export.timed():
+      if jax.process_count() > 1:
+        print(f"multi-host run: export with `python -m exgrpo_jax.convert --src "
+              f"{self.workdir} --dst {dst}`", flush=True)
+        return
+      t = time.time()
+      models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source,
+                             info={"step": st.step})
+      print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
 
   def _evaluate(self) -> dict:
     """val/* metrics; a few graded completions go to the run log."""
     self.notices.evaluating(self.state.step, len(self.grader.eval_questions()),
                             self.config.eval.n, jax_sampler=self.config.rollout.engine == "jax")
-    with jax.default_matmul_precision(self.matmul_precision):
+    with self.clock.evaluation.timed(), jax.default_matmul_precision(self.matmul_precision):
       metrics = self.grader.validate(self.engine, self.state.params, self.state.tokenizer)
     self.log.eval_samples(self.state.step, self.grader.eval_responses)
     return metrics
 
   def run(self) -> dict:
-    """Trains until `train.steps`; checkpoints, evaluates and logs along the way."""
-    cfg, st = self.config, self.state
-    metrics = {}
+    """Trains until `train.steps` or the budget's last step; checkpoints, evaluates,
+    exports and logs along the way."""
+    cfg, st, clock = self.config, self.state, self.clock
+    metrics, last, first_step = {}, False, st.step
     try:
       with run_guard.StopSignals() as stop:
         if st.step == 0 and evaluates_before_training(cfg.eval):
           start = self._evaluate()
           self.log.write(0, start)
           self.log.progress(0, start)
-        while st.step < cfg.train.steps and not self._stop_on_all_processes(stop):
+        if cfg.train.budget_hours:
+          problems = len(self.grader.eval_questions()) if cfg.eval.every else 0
+          for line in clock.start_lines(st.step, problems, time.monotonic()):
+            self.notices.say(line)
+        while not last and st.step < cfg.train.steps and not self._stop_on_all_processes(stop):
           self.notices.compiling(f"step {st.step + 1}", (
               "the rollout, scoring and train-step programs" if cfg.rollout.engine == "jax"
               else "the scoring and train-step programs"))
           metrics = self.train_step()
-          if cfg.eval.every and (st.step % cfg.eval.every == 0 or st.step == cfg.train.steps):
+          clock.stepped(metrics["timing_s/step"], time.monotonic())
+          evaluating = bool(cfg.eval.every) and st.step % cfg.eval.every == 0
+          last = st.step == cfg.train.steps or self._budget_spent(evaluating)
+          if cfg.eval.every and (evaluating or last):
             metrics.update(self._evaluate())
           self.log.write(st.step, metrics)
           run_guard.check_finite(st.step, metrics, st.store.latest_step())
           if st.step % cfg.train.log_every == 0:
-            self.log.progress(st.step, metrics)
-          if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
-            st.save()
+            self.log.progress(st.step, metrics, clock.eta_s(st.step, time.monotonic()))
+          saving = (st.step % cfg.train.checkpoint_every == 0 or last
+                    or self._due(clock.checkpoint))
+          if saving:
+            self._save()
+          if cfg.train.budget_hours and not last and (saving or st.step == first_step + 2):
+            self.notices.say(clock.progress_line(st.step, time.monotonic()))
+          if not last and self._due(clock.export):
+            self._export()
         if self._stop_requested and st.step < cfg.train.steps:
           print(f"{stop.requested or 'stop'}: checkpoint at step {st.step}; exiting",
                 flush=True)
           if st.store.latest_step() != st.step:
-            st.save()
+            self._save()
           self.preempted = True
         elif cfg.train.export_dir and not export.is_complete(
             os.path.join(self.workdir, cfg.train.export_dir), {"step": st.step}):
