@@ -69,8 +69,10 @@ def main(argv):
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     from exgrpo_jax import compile_cache  # pylint: disable=g-import-not-at-top
     compile_cache.enable(_CONFIG.value.train.compile_cache)
+    from exgrpo_jax.aot import plan_step  # pylint: disable=g-import-not-at-top
     from exgrpo_jax.training import trainer  # pylint: disable=g-import-not-at-top
-    run = trainer.Trainer(_CONFIG.value, _WORKDIR.value)  # validates the config first
+    run = trainer.Trainer(_CONFIG.value, _WORKDIR.value,  # validates the config first
+                          estimate=plan_step.plan_estimate)
     run.run()
     return cli.EXIT_PREEMPTED if run.preempted else 0
 

@@ -16,6 +16,7 @@ from configs import common
 from configs import qwen7b
 from configs import qwen7b_lora
 from exgrpo_jax import checkpointing
+from exgrpo_jax.aot import plan_step
 from exgrpo_jax.data import sources
 from exgrpo_jax.models import export
 from exgrpo_jax.training import budget
@@ -30,9 +31,9 @@ def test_the_plans_mid_step_is_docs_aot_figure():
   """docs/aot.md's "admitting, step s" at mid lengths: 676 s on one H100, 551 s on one
   H200 and 1986 s at the H200's measured efficiency."""
   rows = 128 * 8
-  h100 = budget.mid_step(budget.read_plan(os.path.join(
+  h100 = plan_step.mid_step(plan_step.read_plan(os.path.join(
       common.PLANS, "aot_qwen7b_lora_h100x1.json")), rows, 0.1)
-  h200 = budget.mid_step(budget.read_plan(os.path.join(
+  h200 = plan_step.mid_step(plan_step.read_plan(os.path.join(
       common.PLANS, "aot_qwen7b_lora_h200x1.json")), rows, 0.1)
   assert round(h100["floor_s"]) == 676 and h100["measured_s"] is None
   assert round(h200["floor_s"]) == 551 and round(h200["measured_s"]) == 1986
@@ -60,7 +61,7 @@ def test_the_day_recipe_budgets_from_the_devices_plan_and_bounds_evaluation():
 
 def test_what_the_budget_buys_from_the_plans_estimate():
   config = qwen7b_lora.get_config("h100x1,day")
-  estimate, note = budget.plan_estimate(config)
+  estimate, note = plan_step.plan_estimate(config)
   assert round(estimate["step_s"]) == 676
   assert note.startswith("docs/results/aot_qwen7b_lora_h100x1.json: the plan's step")
   first, second = budget.RunClock(config, 0.0, estimate, note).start_lines(0, 512, 0.0)
@@ -76,16 +77,16 @@ def test_what_the_budget_buys_from_the_plans_estimate():
   assert "exports to hf (every 60 min and at the end)" in second
   # At the H200's measured efficiency, fewer.
   h200 = qwen7b_lora.get_config("h200x1,day")
-  estimate, note = budget.plan_estimate(h200)
+  estimate, note = plan_step.plan_estimate(h200)
   assert round(estimate["step_s"]) == 1986 and "NVIDIA H200's measured efficiency" in note
 
 
 def test_a_budget_without_a_plan_or_with_one_for_other_lengths_counts_measured_steps():
   config = qwen7b.get_config("runlocal,day")  # 512 new tokens; the plan's are 8,192
-  estimate, note = budget.plan_estimate(config)
+  estimate, note = plan_step.plan_estimate(config)
   assert estimate is None and "was planned for responses of up to 8192 tokens" in note
   config.train.budget_plan = ""
-  estimate, note = budget.plan_estimate(config)
+  estimate, note = plan_step.plan_estimate(config)
   first, _ = budget.RunClock(config, 0.0, estimate, note).start_lines(0, 64, 0.0)
   assert first.startswith("budget 22 h: no step estimate (train.budget_plan")
   assert first.endswith("counted from measured steps as the run goes")
@@ -197,7 +198,7 @@ def test_a_budget_plan_that_is_not_a_plan_is_one_line(tmp_path, content, problem
   config_check.check(config)  # the file is there
   with pytest.raises(config_check.ConfigError, match=(
       rf"^config.train.budget_plan='{path}': {problem}")):
-    trainer_lib.Trainer(config, str(tmp_path / "run"))
+    trainer_lib.Trainer(config, str(tmp_path / "run"), estimate=plan_step.plan_estimate)
   assert not os.path.exists(tmp_path / "run")  # refused before anything is written
 
 

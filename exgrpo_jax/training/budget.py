@@ -1,7 +1,7 @@
 """A run by wall time: checkpoints and exports every so many minutes, and a budget of
 hours within which the run stops usable (docs/data.md, "A run on a budget").
 
-  clock = budget.RunClock(config, time.monotonic(), *budget.plan_estimate(config))
+  clock = budget.RunClock(config, time.monotonic(), *plan_step.plan_estimate(config))
   clock.checkpoint.due(now); with clock.checkpoint.timed(): ...   # and clock.export
   clock.stepped(step_seconds, now); clock.room_for_another(now, evaluating=...)
   clock.start_lines(step, eval_problems, now); clock.progress_line(step, now)
@@ -17,86 +17,27 @@ exported. The first step of a process always runs: nothing is measured yet (its 
 includes the compiles).
 
 `train.budget_plan` names a plan of `python -m exgrpo_jax.aot plan` for the run's
-config and device; its mid-length step (`mid_step`) sizes the budget in the start-up
-lines, and measured steps take over from the first one on.
+config and device; its mid-length step (`exgrpo_jax.aot.plan_step`, which the entry
+point hands the trainer) sizes the budget in the start-up lines, and measured steps take
+over from the first one on.
 """
 
 import contextlib
 import datetime
-import json
 import math
-import os
 import statistics
 import time
 
-from exgrpo_jax.training import config_check
 from exgrpo_jax.training import run_log
 
 
-def read_plan(path: str) -> dict:
-  """A plan JSON of `exgrpo_jax.aot plan` that fits; a ConfigError naming
-  `train.budget_plan` and what is wrong otherwise."""
-  problem = None
-  try:
-    with open(path, encoding="utf-8") as f:
-      plan = json.load(f)
-  except OSError as e:
-    problem = e.strerror
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    problem = f"not a JSON file ({e})"
-  else:
-    if not isinstance(plan, dict) or not plan.get("fits") or "report" not in plan:
-      problem = ("not a plan that fits (a JSON object of `python -m exgrpo_jax.aot plan` "
-                 "whose verdict is 'fits')")
-  if problem:
-    raise config_check.ConfigError(f"config.train.budget_plan={path!r}: {problem}")
-  return plan
-
-
-def mid_step(plan: dict, rows: int, headroom: float) -> dict:
-  """The plan's training step at the mid response lengths (`aot.lengths.SCENARIOS`) over
-  `rows` responses: `floor_s`, the roofline seconds of the rollout with admission, the
-  old-log-prob recompute and the learner (`plan --render --estimate`'s "admitting, step
-  s", `step_lengths.plan_step`), its `rollout_s`, and `measured_s` and
-  `measured_rollout_s` at the device's measured efficiency (`aot.step_lengths.MEASURED`;
-  None without one)."""
-  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.aot import step_lengths  # pylint: disable=g-import-not-at-top
-  report = plan["report"]
-  mid = lengths.scenario("mid", report["batch"]["response_tokens"], rows)
-  step = step_lengths.plan_step(plan, mid, headroom)
-  rollout, trained = step["rollout_s"], step["recompute_s"] + step["learner_s"]
-  device = report["target"].get("device_kind")
-  measured = step_lengths.MEASURED.get(device)
-  return dict(floor_s=rollout + trained, rollout_s=rollout, device=device,
-              measured_s=step_lengths.at_measured(report["target"], rollout, trained),
-              measured_rollout_s=measured and rollout / measured["decode"])
-
-
-def plan_estimate(config) -> tuple[dict | None, str]:
-  """(estimate, note): `step_s` and `rollout_s` of `train.budget_plan`'s mid step at this
-  run's responses a step, at the measured efficiency where the device has one, else the
-  roofline's; None where there is no plan or it was made for other response lengths
-  (the note then says why)."""
-  path = config.train.budget_plan
-  if not path:
+def unplanned(config) -> tuple[None, str]:
+  """(no estimate, the note saying why) for a run whose entry point read no plan."""
+  if not config.train.budget_plan:
     return None, ("no step estimate (train.budget_plan, a plan of `python -m "
                   "exgrpo_jax.aot plan` for this config and device, is empty)")
-  plan, shown = read_plan(path), os.path.relpath(path)
-  shown = path if shown.startswith(os.pardir) else shown
-  planned = plan["report"]["batch"]["response_tokens"]
-  if planned != config.rollout.max_new_tokens:
-    return None, (f"no step estimate ({shown} was planned for responses of up to "
-                  f"{planned} tokens, this run's are {config.rollout.max_new_tokens})")
-  rows = config.train.batch_questions * config.rollout.k
-  step = mid_step(plan, rows, config.rollout.kv_headroom)
-  what = f"{shown}: the plan's step at mid response lengths"
-  if step["measured_s"] is None:
-    return (dict(step_s=step["floor_s"], rollout_s=step["rollout_s"]),
-            f"{what}, a roofline lower bound")
-  return (dict(step_s=step["measured_s"], rollout_s=step["measured_rollout_s"]),
-          f"{what} at the {step['device']}'s measured efficiency; {step['floor_s']:.0f} s "
-          "at the roofline's lower bound")
+  return None, ("no step estimate (train.budget_plan is read by `python -m "
+                "exgrpo_jax.train`)")
 
 
 def _s(seconds: float) -> str:

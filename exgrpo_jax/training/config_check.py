@@ -88,6 +88,10 @@ def _known(key: str, value, names) -> None:
   _require(value in names, key, value, f"must be one of {', '.join(map(str, names))}")
 
 
+def _file(key: str, path: str) -> None:
+  _require(os.path.exists(path), key, path, "no such file")
+
+
 def _data(key: str, spec: str, data_dir: str, source_key: str) -> None:
   others = ", ".join(n for n in data_sources.SOURCES.names() if n != "file")
   _require(bool(spec), key, spec, f"is required with {source_key}='file' (the default): "

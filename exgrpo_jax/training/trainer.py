@@ -76,11 +76,13 @@ def _timed(timings: dict, name: str):
 class Trainer:
   """Owns the run: state, rollout engine, grader and the bound learner."""
 
-  def __init__(self, config, workdir: str, engine=None):
+  def __init__(self, config, workdir: str, engine=None, estimate=budget.unplanned):
     started = time.monotonic()  # the budget's and the wall-time cadences' start
     config_check.check(config)
     config_check.check_export_dir(config, workdir)
-    self.clock = budget.RunClock(config, started, *budget.plan_estimate(config))
+    # `estimate(config)`: the budget's step estimate and its note (the entry point's is
+    # the plan's, exgrpo_jax.aot.plan_step: the planner's package sits above this one).
+    self.clock = budget.RunClock(config, started, *estimate(config))
     self.notices = announce.Notices()  # before anything compiles
     for line in config_check.ignored(config):
       self.notices.say(f"warning: {line}")
