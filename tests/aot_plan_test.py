@@ -429,3 +429,9 @@ def test_like_lowers_a_pool_that_fits_only_without_margin_until_it_fits():
   assert 3000 - 2 * planner.shards <= best["kv_pages"] <= 3000
   assert planner.search[-1] == (best["max_rows"], best["kv_pages"])
   assert len(planner.search) == 2  # the lacking pages are known from the first compile
+
+
+def test_a_batch_of_fewer_rows_than_a_search_step_is_one_call_or_none():
+  planner = _AffinePlanner(20.0, dict(generate=0.1), dict(generate=10.0))
+  assert planner.rollout(1, 16, 4) == 16 and planner.search == [16]
+  assert _AffinePlanner(1.0, dict(generate=0.1), dict(generate=10.0)).rollout(1, 16, 4) == 0

@@ -31,7 +31,8 @@ from exgrpo_jax.aot import targets
 config_cli.make_config_files_importable(sys.argv)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
-_TARGET = flags.DEFINE_enum("target", None, list(targets.TARGETS), "Machine to compile for.")
+_TARGET = flags.DEFINE_enum("target", None, [*targets.TARGETS, targets.CPU],
+                            "Machine to compile for (cpu: this host).")
 _LAYERS = flags.DEFINE_integer("layers", None, "Compile with this many layers (quick looks).",
                                lower_bound=1)
 _SLICES = flags.DEFINE_integer("slices", 1, "TPU slices (multi-slice).", lower_bound=1)

@@ -147,6 +147,8 @@ class Planner:
       return seen[n]
 
     fits = lambda n: peaks(n)[0]
+    if rows <= STEP:  # a small batch: all its rows in one call, or none
+      return rows if fits(rows) else 0
     if not fits(STEP):
       self._skip(tensor, f"rollout at {STEP} rows: {peaks(STEP)[2]}", rows // unit - 1)
       return 0
@@ -414,7 +416,9 @@ def _settle(planner, candidate: dict, base) -> tuple[dict, dict]:
   best = dict(candidate, reserved_rows=candidate["max_rows"], kv_pages=0)
   final = planner.compile(best["tensor"], best["micro_batch_size"], best["max_rows"],
                           ("learner", "rollout"))
-  admitted = final["ok"] and planner.admission(best, final, base.rollout.kv_headroom)
+  pooled = any(p["name"] == "decode_chunk" for p in final["programs"])  # else static
+  admitted = final["ok"] and pooled and planner.admission(best, final,
+                                                           base.rollout.kv_headroom)
   if admitted:
     final, slots, pages = admitted
     best.update(max_rows=slots, kv_pages=pages)

@@ -177,7 +177,8 @@ def _estimates(parser, args, plans: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
   parser.add_argument("--config", help="a config file, FILE.py[:ARG] (search)")
-  parser.add_argument("--target", choices=list(targets.TARGETS), help="search")
+  parser.add_argument("--target", choices=[*targets.TARGETS, targets.CPU],
+                      help="search (cpu: this host, with its measured rates)")
   parser.add_argument("--out", help="search: write the plan here (JSON)")
   parser.add_argument("--like", help="search: a fitting plan JSON of a config with the "
                       "same model shapes on the same target (this config's own included): "

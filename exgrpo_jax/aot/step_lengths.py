@@ -164,9 +164,12 @@ def recommended(plan: dict, lengths_R, headroom: float, admitting: dict) -> str:
 def plan_step(plan: dict, lengths_R, headroom: float, admitting: dict | None = None) -> dict:
   """One training step of `plan` as compiled, at responses of `lengths_R` (roofline s):
   the rollout in its slots over its pool, admitting (`lengths.admitting_estimate`; the
-  one given), the recompute and the learner packed at the same lengths. The plan's JSON
+  one given; the static loop's calls, `rollout_seconds`), the recompute and the learner packed at the same lengths. The plan's JSON
   (`settled[].mid_step_s`), `--render` and `--estimate` all give this at the mid lengths."""
-  admitting = admitting or lengths_lib.admitting_estimate(plan, lengths_R, headroom)
+  if admitting is None:
+    static = any(p["name"] == "generate" for p in plan["report"]["programs"])
+    admitting = (dict(rollout_s=rollout_seconds(plan["report"], lengths_R)) if static
+                 else lengths_lib.admitting_estimate(plan, lengths_R, headroom))
   est = learner_estimate(plan["report"], lengths_R)
   return dict(rollout_s=admitting["rollout_s"], recompute_s=est["recompute_s"],
               learner_s=est["learner_s"],

@@ -19,6 +19,7 @@ only for roofline estimates.
 """
 
 import dataclasses
+import functools
 import os
 
 GIB = 2 ** 30
@@ -118,9 +119,19 @@ def measured_rates(hidden: int, intermediate: int, tokens: int = 1024,
   return flops, big.nbytes / median_s(jax.jit(jnp.sum), big)
 
 
+CPU = "cpu"  # this host as a target (`this_cpu`): a plan a CPU run can rehearse with
+
+
+@functools.cache
+def _this_host() -> Target:
+  return this_cpu(*measured_rates(1024, 4096))
+
+
 def get(name: str) -> Target:
+  if name == CPU:
+    return _this_host()
   if name not in TARGETS:
-    raise ValueError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
+    raise ValueError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}, {CPU}")
   return TARGETS[name]
 
 
