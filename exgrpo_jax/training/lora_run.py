@@ -6,6 +6,7 @@ exactly as a full fine-tuning run loads its params, and the adapters. Checkpoint
 the adapters and their optimizer state only; the base is named in the checkpoint's meta
 by its path and a content hash (`base_fingerprint`), and a resume against another base,
 or with another `model.lora` section, is refused in one line before any array is read.
+The exported PEFT adapter names its base by `adapter_base`.
 """
 
 import hashlib
@@ -71,6 +72,20 @@ def base_fingerprint(config, model_path: str) -> dict:
     files = sorted(os.path.join(model_path, name) for name in os.listdir(model_path)
                    if name.endswith(_WEIGHT_SUFFIXES))
   return dict(path=os.path.abspath(model_path), sha256=_sha256_of_files(files))
+
+
+def adapter_base(config) -> str:
+  """What the exported PEFT adapter names as its base (`base_model_name_or_path`): the
+  config's `model.hub_id` where it sets one, portable wherever the hub or its cache is
+  reached; else the base's local Hugging Face directory (of a .gguf: the directory it is
+  converted to, which transformers loads, not the .gguf); "" for `model.random_init`,
+  whose base exists nowhere else."""
+  hub_id = config.model.get("hub_id")
+  if hub_id:
+    return hub_id
+  if config.model.random_init:
+    return ""
+  return os.path.abspath(models.resolve_hf_dir(config.model.path or models.default_model_path()))
 
 
 def abstract_base(config, model_cfg):
