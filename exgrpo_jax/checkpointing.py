@@ -205,6 +205,15 @@ def is_training_checkpoint(path: str) -> bool:
   return os.path.isdir(path) and latest_step_dir(path) is not None
 
 
+def is_lora_checkpoint(path: str) -> bool:
+  """Whether `path` is a workdir or step directory whose newest step holds LoRA adapters."""
+  step_dir = latest_step_dir(path) if os.path.isdir(path) else None
+  try:
+    return step_dir is not None and "lora_base" in _read_meta(step_dir)
+  except CheckpointError:
+    return False
+
+
 def _read_meta(step_dir: str) -> dict:
   """The `meta` item's JSON, read directly (the step is checked by its manifest first)."""
   try:
@@ -238,11 +247,18 @@ def _load_params(step_dir: str):
   cfg = model_config_from_json(meta["model_config"])
   if "lora_base" in meta:  # the adapters, on the base the checkpoint names
     params = lora_base.with_checkpoint_base(meta, cfg, params)
-  return cfg, params, meta["tokenizer_source"]
+  return cfg, params, meta
 
 
 def load_policy_for_export(path: str):
-  """(ModelConfig, params as numpy, tokenizer source) from a workdir or step directory:
+  """(ModelConfig, params as numpy, tokenizer source) from a workdir or step directory
+  (`load_for_export`)."""
+  cfg, params, meta = load_for_export(path)
+  return cfg, params, meta["tokenizer_source"]
+
+
+def load_for_export(path: str):
+  """(ModelConfig, params as numpy, the step's meta) from a workdir or step directory:
   its newest intact step (a damaged newer one is skipped with one line). A LoRA
   checkpoint's params are `lora.LoraParams`: its adapters on the base it names."""
   candidates = step_dirs(path)

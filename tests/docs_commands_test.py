@@ -32,8 +32,8 @@ DOCS = ("README.md", *sorted(
     for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "*.md"))))
 # A shell command starts with one of these (after VAR=value assignments) and has an
 # argument; anything else in backticks or a code block (flags, names, output) is not one.
-_PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|\.(?:venv|aot)/\S+|"
-                      r"\. \.venv/bin/activate)\s+\S")
+_PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|vllm|curl|"
+                      r"\.(?:venv|aot)/\S+|\. \.venv/bin/activate)\s+\S")
 
 NETWORK = "downloads (network)"
 INSTALL = "installs packages (network); this test runs in an installed environment"
@@ -41,6 +41,10 @@ GPU_MACHINE = "runs on the workplace's GPU machine (docs/accelerator_check.md)"
 # The AOT commands run in scripts/accelerator/aot_env.sh's environments (Python 3.12): this
 # test runs the CLI there (and CI runs .ci/run's own AOT commands).
 AOT_CLI = "tests/aot_test.py::test_cli_compiles_a_config_and_writes_its_report"
+# vLLM's server on a LoRA policy's export and on its adapter, started with the command
+# docs/serving.md gives for the installed build, sent the documented chat request.
+SERVE = ("tests/vllm_real_test.py::"
+         "test_the_server_serves_the_export_and_its_adapter_as_the_jax_sampler_decodes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,6 +457,36 @@ COMMANDS = [
             "--variants=exgrpo --schedulers=static,continuous --config.rollout.max_rows=4 "
             "--steps=1 --warmup=0 --config.rollout.max_new_tokens=8",
             expect=r'"exgrpo/continuous_over_static"', slow=True),
+    # docs/serving.md
+    Command("python -m exgrpo_jax.convert --src WORKDIR --dst HF_DIR",
+            skip="README's convert command runs it on the quick start's run"),
+    Command("vllm serve runs/smollm2/hf --served-model-name policy", covered=SERVE),
+    Command("python -m vllm.entrypoints.openai.api_server --model runs/smollm2/hf "
+            "--served-model-name policy", covered=SERVE),
+    Command("curl http://127.0.0.1:8000/v1/chat/completions -H \"Content-Type: "
+            "application/json\" -d '{\"model\": \"policy\", \"messages\": [{\"role\": "
+            "\"user\", \"content\": \"What is 8 - 1? Answer with only the number.\"}], "
+            "\"temperature\": 0, \"max_tokens\": 48}'", covered=SERVE),
+    Command("python -c \"from transformers import pipeline; chat = "
+            "pipeline('text-generation', 'runs/smollm2/hf'); print(chat([{'role': 'user', "
+            "'content': 'What is 8 - 1? Answer with only the number.'}], max_new_tokens=48, "
+            "do_sample=False)[0]['generated_text'][-1]['content'])\"",
+            run="{python} -c \"from transformers import pipeline; chat = "
+            "pipeline('text-generation', '{workdir}/hf'); print(chat([{{'role': 'user', "
+            "'content': 'What is 8 - 1? Answer with only the number.'}}], max_new_tokens=48, "
+            "do_sample=False)[0]['generated_text'][-1]['content'])\"",
+            expect=r"\A(?!Loading)[^\n]*\w"),  # stdout's answer before stderr's progress
+    Command("python -m exgrpo_jax.generate --model runs/smollm2/hf --prompt \"...\" --chat "
+            "--temperature 0",
+            run="{python} -m exgrpo_jax.generate --model {workdir}/hf --prompt \"What is 8 - "
+            "1? Answer with only the number.\" --chat --temperature 0 --max-new-tokens 16",
+            expect=r"=== prompt 0, sample 0", slow=True),
+    Command("python -m exgrpo_jax.convert --src WORKDIR --dst HF_DIR --adapter-base NAME_OR_PATH",
+            covered="tests/serving_test.py::"
+            "test_a_runs_adapter_loads_with_auto_peft_after_its_base_moved"),
+    Command("vllm serve BASE --enable-lora --lora-modules policy=HF_DIR/adapter "
+            "--max-lora-rank 16", covered=SERVE),
+    Command("python -m vllm.entrypoints.openai.api_server --model BASE", covered=SERVE),
 ]
 
 

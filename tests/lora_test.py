@@ -417,7 +417,7 @@ def test_the_peft_adapter_and_the_merged_export_give_the_trainers_logits(tmp_pat
   assert np.abs(ours - np.asarray(policy(ids))).max() > 1e-2  # the adapter matters
 
   dst = str(tmp_path / "export")
-  models.save_pretrained(cfg, params, dst, tokenizer_src=base_dir)
+  models.save_pretrained(cfg, params, dst, tokenizer_src=base_dir, adapter_base=base_dir)
   merged = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
   assert np.abs(models_test.hf_logits(merged, ids) - ours).max() <= 1e-4
   with open(os.path.join(dst, "adapter", "adapter_config.json"), encoding="utf-8") as f:

@@ -12,12 +12,17 @@ float32:
 * a trainer step rolls out and evaluates through it;
 * after LoRA learner steps on SmolLM2, greedy rows are the learner's with the adapter
   applied (the engine receives the merged weights through its weight update), not the
-  base model's.
+  base model's;
+* vLLM's OpenAI-compatible server, started as docs/serving.md says, serves that policy's
+  export (the merged directory, and the adapter on the base it names) with the JAX
+  sampler's greedy tokens for the chat prompts the run trained on.
 vLLM starts without torch.compile (`enforce_eager`) to keep start-up at seconds.
 """
 
+from concurrent import futures
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -25,18 +30,23 @@ import jax
 import numpy as np
 import pytest
 
+from configs import smollm2_135m
 from exgrpo_jax import generate
 from exgrpo_jax import models
 from exgrpo_jax import sampling
+from exgrpo_jax.data import questions as questions_lib
+from exgrpo_jax.data import templates
 from exgrpo_jax.models import lora
 from exgrpo_jax.sampling import vllm_console
 from exgrpo_jax.sampling import vllm_engine
 from exgrpo_jax.sampling import vllm_setup
+from exgrpo_jax.training import lora_run
 from tests import conftest
 from tests import lora_test
 from tests import sampler_test
 from tests import sampling_vllm_test
 from tests import vllm_stand_in
+from tests import vllm_server
 from tests import vllm_two_process_main
 
 pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run installs its CPU build)")
@@ -216,18 +226,30 @@ def test_stop_strings_and_eos_end_rows_as_in_the_jax_engine(smollm2):
   assert ended and not actual.truncated_N[ended].any()
 
 
-def test_rollouts_after_lora_steps_sample_the_current_adapter(smollm2):
+def _lora_start(policy):
+  """SmolLM2 with fresh adapters (B zero): the base model's policy."""
+  return lora.LoraParams(policy.params, lora.init_adapters(
+      policy.config, lora_test.RANK, lora.TARGETS, jax.random.key(1)),
+                         lora_test.ALPHA / lora_test.RANK)
+
+
+@pytest.fixture(scope="module")
+def smollm2_lora(smollm2):
+  """SmolLM2's adapters after two learner steps."""
+  policy = smollm2[0]
+  return lora_test.train(_lora_start(policy), 2, cfg=policy.config)[0]
+
+
+def test_rollouts_after_lora_steps_sample_the_current_adapter(smollm2, smollm2_lora):
   """At step 0 (B zero) the LoRA policy's rows are the base model's; after learner steps
   that train the adapters alone (the base arrays the engine already holds stay the same
   objects), greedy tokens are the learner's argmax with the adapter applied and their
   log-probs the learner's, which differ from the base model's."""
   policy, _, prompts, engines = smollm2
-  cfg, key = policy.config, jax.random.key(0)
-  start = lora.LoraParams(policy.params, lora.init_adapters(
-      cfg, lora_test.RANK, lora.TARGETS, jax.random.key(1)), lora_test.ALPHA / lora_test.RANK)
+  cfg, key, trained = policy.config, jax.random.key(0), smollm2_lora
   base_rows = engines["jax"].generate(prompts, 1, policy.params, key, GREEDY)
-  assert_same_rows(base_rows, engines["vllm"].generate(prompts, 1, start, key, GREEDY))
-  trained, _ = lora_test.train(start, 2, cfg=cfg)
+  assert_same_rows(base_rows, engines["vllm"].generate(prompts, 1, _lora_start(policy), key,
+                                                       GREEDY))
   out = engines["vllm"].generate(prompts, 1, trained, key, GREEDY)
   # vLLM's kernels against the learner's forward: the sampled test's tolerance above.
   lora_test.check_rows_follow_the_adapter(out, prompts, trained, cfg, atol=2e-4)
@@ -242,3 +264,58 @@ def test_a_second_engine_in_the_process_or_an_unsupported_model_is_refused(smoll
     odd = dataclasses.replace(policy.config, head_dim=16)
     with pytest.raises(ValueError, match="CPU build runs head_dim in .*not this model's 16"):
       vllm_engine.check_cpu_model(odd)
+
+
+def _chat(server, model: str, messages, max_tokens: int, **extra) -> dict:
+  """A greedy chat completion, with its prompt's and answer's token ids."""
+  body = dict(model=model, messages=messages, temperature=0, max_tokens=max_tokens,
+              return_token_ids=True, **extra)
+  return server.post("/v1/chat/completions", body)
+
+
+def test_the_server_serves_the_export_and_its_adapter_as_the_jax_sampler_decodes(
+    smollm2, smollm2_lora, tmp_path):
+  """The LoRA policy's export served by vLLM's OpenAI-compatible server, as
+  docs/serving.md starts it: the merged directory, and the base its adapter names with
+  the adapter as a LoRA module. A greedy chat request with the question as the user
+  message is the run's chat prompt token for token and answers with the JAX sampler's
+  greedy tokens and text (the policy's, which differ from the base model's); the
+  documented `exgrpo_think` request renders that template's prompt."""
+  policy, tokenizer, prompts, engines = smollm2
+  config = smollm2_135m.get_config()
+  export_dir = str(tmp_path / "hf")
+  models.save_pretrained(policy.config, smollm2_lora, export_dir,
+                         tokenizer_src=models.default_model_path(),
+                         adapter_base=lora_run.adapter_base(config))
+  with open(os.path.join(export_dir, "adapter", "adapter_config.json"), encoding="utf-8") as f:
+    base = json.load(f)["base_model_name_or_path"]
+  expected = engines["jax"].generate(prompts, 1, smollm2_lora, jax.random.key(0), GREEDY)
+  base_rows = engines["jax"].generate(prompts, 1, policy.params, jax.random.key(0), GREEDY)
+  assert (expected.tokens_NxT != base_rows.tokens_NxT).any()
+  think, _ = templates.render_prompts([questions_lib.Question(
+      uid=0, messages=({"role": "user", "content": QUESTIONS[0]},), ground_truth="15",
+      data_source="arithmetic", reward_name="math")], tokenizer, "exgrpo_think")
+  env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+  common = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
+  for name, model, flags in [
+      ("merged", export_dir, ("--served-model-name", "policy")),
+      ("adapter", base, ("--enable-lora", "--lora-modules",
+                         f"policy={export_dir}/adapter"))]:
+    with vllm_server.serve(model, str(tmp_path / f"{name}.log"), *common, *flags,
+                           env=env) as server:
+      # All at once, so the server batches them (one at a time, the adapter's took minutes).
+      with futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        answers = list(pool.map(lambda q, s=server: _chat(
+            s, "policy", [{"role": "user", "content": q}], GREEDY.max_new_tokens), QUESTIONS))
+      for i, answer in enumerate(answers):
+        choice, n = answer["choices"][0], expected.lengths_N[i]
+        assert answer["prompt_token_ids"] == prompts[i], name
+        assert choice["token_ids"] == expected.tokens_NxT[i, :n].tolist(), (name, i)
+        assert choice["message"]["content"] == expected.texts[i], (name, i)
+      if name == "merged":
+        answer = _chat(server, "policy", [
+            {"role": "system", "content": templates.EXGRPO_SYSTEM_PROMPT},
+            {"role": "user", "content": QUESTIONS[0]},
+            {"role": "assistant", "content": "<think>\n"}], 1,
+                       add_generation_prompt=False, continue_final_message=True)
+        assert answer["prompt_token_ids"] == list(think[0].ids)

@@ -2,7 +2,8 @@
 
 `save_pretrained(cfg, params, dst)` writes config.json, generation_config.json and
 safetensors (sharded with an index above `max_shard_bytes`), inverting the key table;
-`tokenizer_src` (an HF directory or .gguf) adds the tokenizer files.
+`tokenizer_src` (an HF directory or .gguf) adds the tokenizer files; of LoRA params,
+`adapter/` holds the adapter alone, naming `adapter_base` as its base.
 
 Atomic: everything is written to a temporary sibling directory, `EXPORT_INFO` (what was
 exported, e.g. the training step) last, and the directory is then renamed into place,
@@ -66,10 +67,11 @@ def replaceable(dst: str) -> bool:
 
 def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | None = None,
                     tokenizer_src: str | None = None, max_shard_bytes: int = 5 * 2**30,
-                    info: dict | None = None):
+                    info: dict | None = None, adapter_base: str = ""):
   """Writes an HF model directory atomically; returns its path. LoRA params
   (`lora.LoraParams`) give the merged model, and their adapters as a PEFT adapter
-  directory `adapter/` inside it (`peft_export`; its base: `tokenizer_src`)."""
+  directory `adapter/` inside it (`peft_export`) whose `base_model_name_or_path` is
+  `adapter_base` (a hub id or a path: `lora_run.adapter_base`)."""
   dst = os.path.abspath(dst)
   if not replaceable(dst):
     raise FileExistsError(f"{dst} exists and is not a model directory; not overwriting it")
@@ -80,7 +82,7 @@ def save_pretrained(cfg: config_lib.ModelConfig, params, dst: str, dtype: str | 
     _write(cfg, params, tmp, dtype or cfg.param_dtype, tokenizer_src, max_shard_bytes)
     if isinstance(params, lora.LoraParams):
       peft_export.write_adapter(cfg, params, os.path.join(tmp, peft_export.ADAPTER_DIR),
-                                tokenizer_src or "")
+                                adapter_base)
     with open(os.path.join(tmp, EXPORT_INFO), "w", encoding="utf-8") as f:
       json.dump(dict(info or {}, dtype=dtype or cfg.param_dtype), f)
     old = None

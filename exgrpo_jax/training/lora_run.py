@@ -7,7 +7,10 @@ adapters. Checkpoints hold the adapters and their optimizer state only; the base
 named in the checkpoint's meta by its path and a content hash
 (`lora_base.base_fingerprint`), and a resume against another base, or with another
 `model.lora` section, is refused in one line before any array is read.
+The exported PEFT adapter names its base by `adapter_base`.
 """
+
+import os
 
 import jax
 
@@ -31,6 +34,21 @@ def init_adapters(config, model_cfg, shardings):
   c = config.model.lora
   rng = jax.random.fold_in(jax.random.key(config.train.seed), 1)
   return lora.init_adapters(model_cfg, c.rank, tuple(c.targets), rng, shardings)
+
+
+def adapter_base(config) -> str:
+  """What the exported PEFT adapter names as its base (`base_model_name_or_path`): the
+  config's `model.hub_id` where it sets one, portable wherever the hub or its cache is
+  reached; else the base's local Hugging Face directory (of a .gguf: the directory it is
+  converted to, which transformers loads, not the .gguf); "" for `model.random_init`,
+  whose base exists nowhere else."""
+  hub_id = config.model.get("hub_id")
+  if hub_id:
+    return hub_id
+  if config.model.random_init:
+    return ""
+  return os.path.abspath(models.resolve_hf_dir(config.model.path
+                                               or models.default_model_path()))
 
 
 def abstract_base(config, model_cfg):

@@ -41,6 +41,7 @@ from exgrpo_jax.training import announce
 from exgrpo_jax.training import budget
 from exgrpo_jax.training import config_check
 from exgrpo_jax.training import grading
+from exgrpo_jax.training import lora_run
 from exgrpo_jax.training import groups as groups_lib
 from exgrpo_jax.training import phase
 from exgrpo_jax.training import run_guard
@@ -335,8 +336,9 @@ class Trainer:
               f"{self.workdir} --dst {dst}`", flush=True)
         return
       t = time.time()
+      base = lora_run.adapter_base(self.config) if lora_run.enabled(self.config) else ""
       models.save_pretrained(st.model_cfg, st.params, dst, tokenizer_src=st.tokenizer_source,
-                             info={"step": st.step})
+                             info={"step": st.step}, adapter_base=base)
       print(f"exported step {st.step} to {dst} ({time.time() - t:.1f} s)", flush=True)
 
   def _evaluate(self) -> dict:
