@@ -360,8 +360,8 @@ COMMANDS = [
     Command("python -m exgrpo_jax.aot --config=configs/smollm2_135m.py --target=v5e-8 "
             "--layers=2 --config.model.lora.rank=4 --config.model.lora.base_quant=nf4",
             covered=AOT_CLI),
-    Command("python -m exgrpo_jax.train --config=configs/qwen7b_lora.py:h200x1 "
-            "--workdir=runs/qwen7b_lora", skip="Qwen2.5-Math-7B's checkpoint and one H200; "
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m exgrpo_jax.train "
+            "--config=configs/qwen7b_lora.py:h200x1 --workdir=runs/qwen7b_lora", skip="Qwen2.5-Math-7B's checkpoint and one H200; "
             "configs_test holds the config to its plan"),
     Command("python scripts/bench/bench_lora.py --out=docs/results/bench_lora.json",
             covered="tests/bench_lora_test.py::"
