@@ -1,6 +1,9 @@
 r"""Qwen2.5-Math-7B with LoRA: the paper's run (configs/qwen7b.py) on one GPU, a v5e-8 or a v6e-8.
 
-  python -m exgrpo_jax.train --config=configs/qwen7b_lora.py:h200x1 --workdir=runs/qwen7b_lora
+  python -m exgrpo_jax.prepare_data  # the paper's data (docs/data.md)
+  python -m exgrpo_jax.fetch --config=configs/qwen7b_lora.py  # the model (or --config.model.path=)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m exgrpo_jax.train \
+      --config=configs/qwen7b_lora.py:h200x1 --workdir=runs/qwen7b_lora
 
 `common.lora_on_small_hardware`: the base frozen in bfloat16, rank-16 adapters (alpha 16)
 on every attention and MLP projection at 10 times the full fine-tuning learning rate

@@ -169,8 +169,8 @@ def test_the_hbm_bound_takes_a_known_devices_published_bandwidth(monkeypatch):
         bound_bandwidth_gb_per_s=bound)
 
 
-# The GPU machines' image (docs/accelerator_check.md, "On this workplace's GPU machines"),
-# with what JAX and PyTorch install beside them.
+# The packages of the GPU image scripts/accelerator/accelerator_bundle.sh completes, with
+# what JAX and PyTorch install beside them.
 IMAGE = {"jax", "flax", "optax", "orbax-checkpoint", "transformers", "torch", "pandas", "sympy",
          "pytest", "pytest-xdist", "numpy", "ml-dtypes", "absl-py", "jinja2"}
 # What the device's scripts run, as its image imports them.

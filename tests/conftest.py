@@ -65,8 +65,8 @@ def _no_persistent_compile_cache(monkeypatch):
 
 def subprocess_env(**overrides) -> dict:
   """This environment for a Python subprocess of this checkout: the repository first on
-  PYTHONPATH, the rest kept (packages installed with `pip --target`, as on the GPU
-  machines: docs/accelerator_check.md)."""
+  PYTHONPATH, the rest kept (packages installed with `pip --target`, as
+  scripts/accelerator/accelerator_bundle.sh installs them)."""
   path = [REPO_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)
 

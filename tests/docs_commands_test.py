@@ -1,4 +1,4 @@
-"""Every command README.md and docs/*.md show runs as shown (short settings).
+"""Every command README.md and docs/**/*.md show runs as shown (short settings).
 
 `COMMANDS` holds each command as the docs show it (whitespace collapsed) and what this
 test does with it: `run` is the same program and flags with short settings (one step,
@@ -29,7 +29,7 @@ from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
 DOCS = ("README.md", *sorted(
     os.path.relpath(p, conftest.REPO_ROOT)
-    for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "*.md"))))
+    for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "**", "*.md"), recursive=True)))
 # A shell command starts with one of these (after VAR=value assignments) and has an
 # argument; anything else in backticks or a code block (flags, names, output) is not one.
 _PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|vllm|curl|"
@@ -37,7 +37,6 @@ _PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|bash|pip|export|vllm|cur
 
 NETWORK = "downloads (network)"
 INSTALL = "installs packages (network); this test runs in an installed environment"
-GPU_MACHINE = "runs on the workplace's GPU machine (docs/accelerator_check.md)"
 # The AOT commands run in scripts/accelerator/aot_env.sh's environments (Python 3.12): this
 # test runs the CLI there (and CI runs .ci/run's own AOT commands).
 AOT_CLI = "tests/aot_test.py::test_cli_compiles_a_config_and_writes_its_report"
@@ -268,78 +267,39 @@ COMMANDS = [
             run="{python} scripts/bench/bench_attention.py --lengths 64 --prompt 8 "
             "--new_tokens 8 --repeats 1", expect=r'"ratio_to_xla"'),
     # docs/accelerator_check.md
-    Command(".aot/gpu/bin/python scripts/accelerator/accelerator_speed.py --predict h100x1",
-            skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
-            "layers) in the GPU AOT environment: minutes; its output is committed"),
-    Command("bash scripts/accelerator/accelerator_bundle.sh install && export "
-            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTEST_ADDOPTS=\"-n 8\" && "
-            "nvidia-smi -L && timeout 570 "
-            "python3 scripts/accelerator/accelerator_check.py --out $OUT/accelerator_check.json "
-            "2>&1 | tee "
-            "$OUT/accelerator_check.log", skip=GPU_MACHINE),
-    Command("bash scripts/accelerator/accelerator_bundle.sh install && export "
-            "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && nvidia-smi -L && timeout 560 "
-            "python3 scripts/accelerator/gpu_followup.py --out $OUT/gpu_followup.json --parts "
-            "lora,decode --budget lora=300,decode=170 2>&1 | tee $OUT/gpu_followup.log",
-            skip=GPU_MACHINE),
-    Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 300 python3 "
-            "scripts/accelerator/gpu_followup.py --out $OUT/gpu_followup_study.json --parts "
-            "study --budget study=240", skip=GPU_MACHINE),
-    Command("python scripts/accelerator/gpu_lora.py --render docs/results/gpu_lora_<kind>.json",
-            covered="tests/gpu_followup_test.py::"
-            "test_smoke_runs_every_part_and_a_rerun_skips_what_is_done"),
-    Command("python -m exgrpo_jax.study report --config=configs/study_v3.py "
-            "--summaries=docs/results/study_v3_gpu_runs --json=docs/results/study_v3_gpu.json "
-            "--out=/tmp",
-            skip="reports the GPU replicate's summaries, which a GPU session writes"),
-    Command("python scripts/accelerator/gpu_followup.py --smoke --out /tmp/gpu_followup.json",
-            covered="tests/gpu_followup_test.py::"
-            "test_smoke_runs_every_part_and_a_rerun_skips_what_is_done"),
-    Command("bash scripts/accelerator/accelerator_bundle.sh prepare",
-            skip="downloads wheels (PyPI)"),
-    Command("pip install --no-index --no-deps --target /tmp/site",
-            skip="what `accelerator_bundle.sh install` runs; " + GPU_MACHINE),
-    Command("python scripts/accelerator/accelerator_check.py --render "
-            "docs/results/accelerator_check_<kind>.json",
+    Command("pip install -e \".[test]\"", skip=INSTALL),
+    Command("python scripts/accelerator/accelerator_check.py --out accelerator_check.json",
+            skip="minutes on an accelerator; its --smoke (tests/accelerator_check_test.py) "
+            "runs every part on CPU"),
+    Command("python scripts/accelerator/accelerator_check.py --smoke --out /tmp/smoke.json",
+            covered="tests/accelerator_check_test.py::test_smoke_runs_every_part"),
+    Command("python scripts/accelerator/accelerator_check.py --render accelerator_check.json",
             covered="tests/accelerator_check_test.py::"
             "test_render_gives_one_row_per_part_and_tables"),
-    Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 570 python3 "
-            "scripts/accelerator/accelerator_check.py --parts parity,sampler,learner,gap,train "
-            "--budget "
-            "sampler=150 --budget learner=200 --out $OUT/accelerator_check.json 2>&1 | tee "
-            "$OUT/accelerator_check.log", skip=GPU_MACHINE),
-    Command("export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 290 python3 "
-            "scripts/bench/bench_sampler.py --schedulers --batch-sizes 8 --rows 32 --samples 4 "
-            "--new-tokens 1024 --repeats 2 > $OUT/bench_sampler_schedulers_<kind>.json; "
-            "timeout 270 python3 scripts/bench/bench_sampler.py --schedulers --batch-sizes 32 "
-            "--rows "
-            "32 --samples 4 --new-tokens 512 --repeats 2 > "
-            "$OUT/bench_sampler_rows_fit_<kind>.json", skip=GPU_MACHINE),
     # docs/accelerator_results.md
     Command("python scripts/accelerator/accelerator_speed.py --compare "
             "docs/results/accelerator_check_h200.json",
             covered="tests/accelerator_check_test.py::"
             "test_compare_sets_the_h200_learner_cases_against_the_aot_predictions"),
-    # docs/algorithm.md
-    Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
-    Command("python scripts/bench/bench_packing.py",
-            run="{python} scripts/bench/bench_packing.py --responses 4 --micro-batch 2 "
-            "--max-new-tokens 16 --hidden 32 --layers 1 --vocab 256 --repeats 1",
-            expect=r'"packed_over_padded"'),
-    # docs/one_accelerator.md
-    Command("pip install -e \".[test]\"", skip=INSTALL),
-    Command("python scripts/accelerator/accelerator_check.py --out accelerator_check.json",
-            skip="minutes on an accelerator; its --smoke (tests/accelerator_check_test.py) "
-            "runs every part on CPU"),
-    Command("python scripts/accelerator/accelerator_check.py --render accelerator_check.json",
-            covered="tests/accelerator_check_test.py::"
-            "test_render_gives_one_row_per_part_and_tables"),
+    # docs/developers/device_hour.md
+    Command("python scripts/accelerator/gpu_followup.py --smoke --out /tmp/gpu_followup.json",
+            covered="tests/gpu_followup_test.py::"
+            "test_smoke_runs_every_part_and_a_rerun_skips_what_is_done"),
     Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .aot/gpu/bin/python -m exgrpo_jax.aot plan "
             "--config=configs/qwen1_5b.py --target=h200x1 --out=plan_h200x1.json",
             skip="minutes of compiles in the AOT environment, as docs/aot.md's plan command"),
     Command("python -m exgrpo_jax.aot plan --render plan_h200x1.json --estimate",
             covered="tests/aot_lengths_test.py::"
             "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
+    Command(".aot/gpu/bin/python scripts/accelerator/accelerator_speed.py --predict h100x1",
+            skip="compiles the accelerator check's six learner cases (a 1.5B model, all "
+            "layers) in the GPU AOT environment: minutes; its output is committed"),
+    Command("python scripts/accelerator/accelerator_check.py --render "
+            "docs/results/accelerator_check_<kind>.json",
+            covered="tests/accelerator_check_test.py::"
+            "test_render_gives_one_row_per_part_and_tables"),
+    Command("python scripts/accelerator/gpu_target_config.py --out gpu_target_config.pbtxt",
+            skip="captures the target config of an NVIDIA GPU (it refuses any other device)"),
     Command("python scripts/accelerator/gpu_lora.py --out followup/gpu_lora.json --budget 300",
             skip="runs the 7B LoRA plan on an H100 or H200; tests/gpu_followup_test.py runs "
             "its smoke"),
@@ -347,10 +307,24 @@ COMMANDS = [
             covered="tests/gpu_followup_test.py::"
             "test_smoke_runs_every_part_and_a_rerun_skips_what_is_done"),
     Command("python scripts/accelerator/gpu_followup.py --out followup/gpu_followup.json "
+            "--parts decode --budget decode=170",
+            skip="XLA's GPU flags on an NVIDIA GPU; tests/gpu_followup_test.py runs its --smoke"),
+    Command("python scripts/accelerator/gpu_followup.py --out followup/gpu_followup.json "
             "--parts study "
             "--budget study=2400",
             skip="the study on an accelerator for 40 minutes; tests/gpu_followup_test.py runs "
             "its --smoke"),
+    Command("python -m exgrpo_jax.study report --config=configs/study_v3.py "
+            "--summaries=docs/results/study_v3_gpu_runs --json=docs/results/study_v3_gpu.json "
+            "--out=/tmp",
+            skip="reports the GPU replicate's summaries, which gpu_followup.py writes on a "
+            "device"),
+    # docs/algorithm.md
+    Command("python -m exgrpo_jax.eval", skip="names the tool; README's eval commands run it"),
+    Command("python scripts/bench/bench_packing.py",
+            run="{python} scripts/bench/bench_packing.py --responses 4 --micro-batch 2 "
+            "--max-new-tokens 16 --hidden 32 --layers 1 --vocab 256 --repeats 1",
+            expect=r'"packed_over_padded"'),
     # docs/lora.md
     Command("python -m exgrpo_jax.train --config=configs/tiny.py --workdir=/tmp/lora "
             "--config.model.lora.rank=4", covered="tests/lora_test.py::"
@@ -364,8 +338,8 @@ COMMANDS = [
     Command("python -m exgrpo_jax.aot --config=configs/smollm2_135m.py --target=v5e-8 "
             "--layers=2 --config.model.lora.rank=4 --config.model.lora.base_quant=nf4",
             covered=AOT_CLI),
-    Command("python -m exgrpo_jax.train --config=configs/qwen7b_lora.py:h200x1 "
-            "--workdir=runs/qwen7b_lora", skip="Qwen2.5-Math-7B's checkpoint and one H200; "
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m exgrpo_jax.train "
+            "--config=configs/qwen7b_lora.py:h200x1 --workdir=runs/qwen7b_lora", skip="Qwen2.5-Math-7B's checkpoint and one H200; "
             "configs_test holds the config to its plan"),
     Command("python scripts/bench/bench_lora.py --out=docs/results/bench_lora.json",
             covered="tests/bench_lora_test.py::"

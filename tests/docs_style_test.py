@@ -1,4 +1,4 @@
-"""README.md and docs/*.md are written for users, not as a lab notebook.
+"""README.md and docs/**/*.md are written for users, not as a lab notebook.
 
 Each check finds one kind of leftover of how the project got there: issue references,
 first person in prose, commit hashes in prose (a study's provenance may name its commit
@@ -20,7 +20,7 @@ from tests import conftest
 
 DOCS = ("README.md", *sorted(
     os.path.relpath(p, conftest.REPO_ROOT)
-    for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "*.md"))))
+    for p in glob.glob(os.path.join(conftest.REPO_ROOT, "docs", "**", "*.md"), recursive=True)))
 
 _FENCE = re.compile(r"^```.*?^```[^\n]*$", re.M | re.S)
 _ISSUE = re.compile(r"\bissues? #?\d+\b|(?<![\w&/])#\d+\b", re.I)

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# What accelerator_check.py needs on the GPU machine beyond its image, and how it travels
-# there in calls of at most 64 MiB (docs/accelerator_check.md, which shows its use). A
-# developer tool for the workplace's GPU machine: it writes no published result.
+# What accelerator_check.py needs on a GPU machine that reaches no package index and
+# receives the working tree in copies of at most 64 MiB, beyond the packages its image
+# has. A developer tool: it writes no published result.
 #
 #   bash scripts/accelerator/accelerator_bundle.sh COMMAND, one of:
-#     prepare            # here (PyPI): .whl/, .accel/part{0,1}/
-#     stash              # device call 1: .accel/part0 -> /tmp/accel
-#     install            # device call 2: join, pip --target /tmp/site
+#     prepare            # here (PyPI): .whl/, .accel/part{0,1}/ (git-excluded)
+#     stash              # on the GPU, copy 1 (with .accel/part0): -> /tmp/accel
+#     install            # on the GPU, copy 2 (with .whl and .accel/part1): join,
+#                        # pip --target /tmp/site; then PYTHONPATH=/tmp/site:$PWD
 #     split FILE DEST N  # DEST/part<i>/NAME.<i>, NAME.sha256
 #     join OUT DIR...    # NAME.<i> in DIRs -> OUT/NAME, checked
 #

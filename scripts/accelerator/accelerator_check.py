@@ -48,7 +48,8 @@ ORDER = ("tests", "parity", "sampler", "learner", "gap", "train")
 # Seconds per part, from an H200 run (docs/results/accelerator_check_h200.json: the learner's
 # six cases took 75 s, the sampler 25-35 s a case, parity 40 s, the gap 28 s), so that the
 # whole check, start-up and each part's last measurement included, stays under about 9
-# minutes. The whole test suite needs a call of its own (docs/accelerator_check.md).
+# minutes. The whole test suite needs a run of its own (`--parts tests` with a longer
+# budget: docs/accelerator_check.md, "Options").
 BUDGETS_S = dict(tests=60, parity=45, sampler=150, learner=90, gap=40, train=45)
 SMOKE_TESTS = ("tests/replay_test.py",)
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",

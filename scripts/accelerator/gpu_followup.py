@@ -1,8 +1,8 @@
-r"""What a GPU should measure next, in one command that a rerun finishes.
+r"""What one GPU measures beyond the accelerator check, in one command that a rerun finishes.
 
-How to run it: docs/one_accelerator.md (your own GPU) and docs/accelerator_check.md
-(the workplace's); its study is the GPU replicate docs/results.md names, reported by
-`python -m exgrpo_jax.study report`. It has no published result yet.
+How to run it: docs/developers/device_hour.md; its study is the GPU replicate
+docs/results.md names, reported by `python -m exgrpo_jax.study report`. It has no
+published result yet.
 
   python scripts/accelerator/gpu_followup.py --out $OUT/followup.json \
       [--parts lora,decode,study] [--budget lora=300,decode=170,study=330] [--jobs 6] \
