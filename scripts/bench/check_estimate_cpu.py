@@ -81,10 +81,10 @@ def _cpu(gflops: list, gbps: list) -> dict:
   each): the medians. Other work on the machine lowers some readings and a quiet moment
   raises one (215 GFLOP/s once, beside six of 94-104), so neither the best nor the
   worst is the rate the steps ran at."""
+  gflops, gbps = [round(r, 1) for r in gflops], [round(r, 1) for r in gbps]  # as recorded
   return dict(matmul_gflops_per_s=float(np.median(gflops)),
               bandwidth_gb_per_s=float(np.median(gbps)), statistic="median of the readings",
-              measured_gflops_per_s=[round(r, 1) for r in gflops],
-              measured_gb_per_s=[round(r, 1) for r in gbps])
+              measured_gflops_per_s=gflops, measured_gb_per_s=gbps)
 
 
 def _rank(seconds: dict) -> list[str]:
