@@ -4,6 +4,8 @@
   python -m tests.aot_child TARGET ATTENTION MESH --rollout
   python -m tests.aot_child hbm TARGET ...
   python -m tests.aot_child decode_attention TARGET ROWS KV_HEADS
+  python -m tests.aot_child flops TARGET ATTENTION MESH ...
+  python -m tests.aot_child reprice PLAN
 
 The first compiles a tiny Qwen2-shaped learner step (GQA, q/k/v biases) for a target;
 `--unsharded-kernels` calls the fused kernel without `shard_map` (what the code did
@@ -12,7 +14,10 @@ same model's rollout programs (continuous batching) instead. The last asks the T
 compiler how much HBM a program of each target's chip may use (its refusal of a larger
 one says). `decode_attention` compiles one decode step's paged attention (`paged_kernel.attend`) on
 one chip: ROWS rows of 1024 + 8192 tokens, KV_HEADS KV heads of 128 with 4 query heads
-each, and prints the compiler's error, if any.
+each, and prints the compiler's error, if any. `flops` traces the tiny learner's programs
+on each MESH (fsdp x tensor, over the target's first devices) and prints their matmul
+counts (`flops.matmul_flops`), with cuDNN's causal and masked attention on one GPU;
+`reprice` prints a plan repriced (`reprice.reprice`) and repriced again.
 """
 
 import json
@@ -64,25 +69,10 @@ def decode_attention(target_name, rows, kv_heads) -> dict:
         l for l in str(e).splitlines() if "Scoped allocation" in l))
 
 
-def main(argv) -> None:
-  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
-  targets.prepare_environment()
-  if argv[1] == "hbm":
-    print(json.dumps(hbm(argv[2:])))
-    return
-  if argv[1] == "decode_attention":
-    print(json.dumps(decode_attention(argv[2], *map(int, argv[3:5]))))
-    return
-  target_name, attention_name, mesh_shape = argv[1], argv[2], argv[3]
+def _tiny(attention_name: str, mesh_shape: str):
+  """The tiny Qwen2-shaped learner's config and model, on an fsdp x tensor mesh."""
   from configs import common  # pylint: disable=g-import-not-at-top
   from exgrpo_jax import models  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.aot import programs  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.models import attention  # pylint: disable=g-import-not-at-top
-
-  if "--unsharded-kernels" in argv:
-    attention._on_shards = lambda kernel, *args: kernel(*args)  # pylint: disable=protected-access
   c = common.base_config()
   c.mesh.shape = tuple(int(n) for n in mesh_shape.split("x"))
   c.train.batch_questions, c.rollout.k = 2, 4
@@ -94,6 +84,78 @@ def main(argv) -> None:
       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, attention_bias=True,
       tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32", remat="full",
       attention=attention_name, eos_token_id=(1,))
+  return c, cfg
+
+
+def counted(target_name: str, attention_name: str, meshes) -> dict:
+  """{mesh: {program: FLOPs}} of the tiny learner's programs, traced on each mesh."""
+  import math  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import flops  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import programs  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  devices = targets.devices(targets.get(target_name))
+  found = {}
+  for shape in meshes:
+    c, cfg = _tiny(attention_name, shape)
+    mesh = sharding.make_mesh(c.mesh, devices[:math.prod(c.mesh.shape)])
+    found[shape] = {}
+    for program in programs.learner_programs(c, cfg, mesh)[0]:
+      with sharding.use_mesh(mesh):
+        traced = program.fn.trace(*program.args({}), **program.kwargs)
+      found[shape][program.name] = flops.program_flops(program, traced)
+  if attention_name == "cudnn":  # jax.nn's call, causal or with a mask array
+    B, T, H, Dh = 2, 256, 4, 64
+    x = jax.ShapeDtypeStruct((B, T, H, Dh), jnp.bfloat16)
+    one = jax.sharding.Mesh(np.asarray(devices[:1]), ("fsdp",))
+    for name, causal in (("causal", True), ("masked", False)):
+      def call(q, k, v, causal=causal):
+        mask = None if causal else jnp.tril(jnp.ones((T, T), bool))
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                            implementation="cudnn")
+      with sharding.use_mesh(one):
+        traced = jax.jit(call).trace(x, x, x)
+      found[name] = dict(forward=flops.matmul_flops(traced.jaxpr),
+                         full=2 * 2 * B * H * Dh * T * T, causal_pairs=T * (T + 1) // 2)
+  return found
+
+
+def repriced(path: str) -> dict:
+  """A committed plan repriced, and repriced again."""
+  from exgrpo_jax.aot import reprice  # pylint: disable=g-import-not-at-top
+  with open(path, encoding="utf-8") as f:
+    plan = json.load(f)
+  once = reprice.reprice(plan)
+  return dict(plan=plan, once=once, twice=reprice.reprice(once))
+
+
+def main(argv) -> None:
+  from exgrpo_jax.aot import targets  # pylint: disable=g-import-not-at-top
+  targets.prepare_environment()
+  if argv[1] == "hbm":
+    print(json.dumps(hbm(argv[2:])))
+    return
+  if argv[1] == "decode_attention":
+    print(json.dumps(decode_attention(argv[2], *map(int, argv[3:5]))))
+    return
+  if argv[1] == "flops":
+    print(json.dumps(counted(argv[2], argv[3], argv[4:])))
+    return
+  if argv[1] == "reprice":
+    print(json.dumps(repriced(argv[2])))
+    return
+  target_name, attention_name, mesh_shape = argv[1], argv[2], argv[3]
+  from exgrpo_jax import sharding  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.aot import programs  # pylint: disable=g-import-not-at-top
+  from exgrpo_jax.models import attention  # pylint: disable=g-import-not-at-top
+
+  if "--unsharded-kernels" in argv:
+    attention._on_shards = lambda kernel, *args: kernel(*args)  # pylint: disable=protected-access
+  c, cfg = _tiny(attention_name, mesh_shape)
   target = targets.get(target_name)
   mesh = sharding.make_mesh(c.mesh, targets.devices(target))
   if "--rollout" in argv:

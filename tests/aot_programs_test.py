@@ -21,6 +21,7 @@ from exgrpo_jax import sampling
 from exgrpo_jax import sharding
 from exgrpo_jax.aot import analysis
 from exgrpo_jax.aot import check
+from exgrpo_jax.aot import flops
 from exgrpo_jax.aot import programs as programs_lib
 from exgrpo_jax.aot import targets
 from exgrpo_jax.sampling import continuous
@@ -201,7 +202,7 @@ def test_flop_count_matches_the_model_on_a_loop_free_program():
   forward = jax.jit(lambda p, t: models.apply(cfg, p, t)[0])
   tokens = jnp.zeros((2, 16), jnp.int32)
   traced = forward.trace(params, tokens)
-  counted = analysis.matmul_flops(traced.jaxpr.jaxpr)
+  counted = flops.matmul_flops(traced.jaxpr)
   xla = traced.lower().compile().cost_analysis()
   xla = xla[0] if isinstance(xla, (list, tuple)) else xla
   # Matmuls only: XLA's count adds the element-wise work (norms, softmax, RoPE).

@@ -97,6 +97,65 @@ def test_cudnn_attention_backward_compiles_at_an_odd_length():
   assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
+def _child(environment: str, *args: str) -> dict:
+  proc = subprocess.run([aot_python(environment), "-m", "tests.aot_child", *args],
+                        cwd=conftest.REPO_ROOT, env=conftest.subprocess_env(),
+                        capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("environment,target,attention_name,meshes", [
+    ("tpu", "v5p-8", "splash", ("1x1", "2x2", "4x1", "1x4")),
+    ("gpu", "h100x8", "cudnn", ("1x1", "2x4", "4x2"))])
+def test_the_learner_counts_the_same_flops_on_every_mesh(environment, target,
+                                                         attention_name, meshes):
+  """The fused kernels run inside `shard_map` on a mesh (each device its rows and heads):
+  counted on every device, the work is one device's, in JAX 0.12 as in 0.10."""
+  found = _child(environment, "flops", target, attention_name, *meshes)
+  for program in ("learner_step", "score"):
+    counts = {mesh: found[mesh][program] for mesh in meshes}
+    assert counts == {mesh: counts["1x1"] for mesh in meshes}, program
+
+
+def test_cudnn_attention_counts_the_causal_triangle_only_where_it_is_causal():
+  """cuDNN skips the blocks above the diagonal with its causal mask type; a mask array
+  (what `attention._cudnn` passes) is applied to every block."""
+  found = _child("gpu", "flops", "h100x1", "cudnn")
+  causal, masked = found["causal"], found["masked"]
+  T = 256
+  assert causal["forward"] == causal["full"] * causal["causal_pairs"] / T ** 2
+  assert masked["forward"] == masked["full"]
+
+
+def test_a_repriced_plan_keeps_its_memory_and_prices_its_new_counts():
+  """`reprice` on a committed v5p-8 plan: the chosen programs' counts are the fresh
+  trace's, each roofline and the step estimate are priced with them, the memory figures
+  are the plan's, and repricing it again changes nothing."""
+  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
+  path = os.path.join(conftest.REPO_ROOT, "docs", "results", "aot_qwen1_5b_v5p-8.json")
+  found = _child("tpu", "reprice", path)
+  plan, once = found["plan"], found["once"]
+  assert found["twice"]["report"] == once["report"]
+  before = {p["name"]: p for p in plan["report"]["programs"]}
+  for p in once["report"]["programs"]:
+    kept = {k: v for k, v in before[p["name"]].items()
+            if k not in ("flops_per_device", "roofline_s")}
+    assert {k: p[k] for k in kept} == kept
+    assert p["roofline_s"] == pytest.approx(float(analysis.bound_s(
+        p["flops_per_device"], p["hbm_bytes_per_call"], once["report"]["target"])))
+  # The learner's attention runs on 4 devices inside shard_map: counted once, not 4 times.
+  learner = "learner_step"
+  assert once["report"]["programs"][0]["name"] == learner
+  assert once["report"]["programs"][0]["flops_per_device"] > before[learner]["flops_per_device"]
+  assert once["repriced"]["flops_per_device_before"][learner] == before[learner][
+      "flops_per_device"]
+  step = once["report"]["step_estimate"]
+  assert step["learner_s"] == pytest.approx(sum(
+      p["calls_per_step"] * p["roofline_s"] for p in once["report"]["programs"]
+      if p["name"] == learner))
+
+
 def test_tpu_decode_runs_the_paged_attention_kernel_on_a_mesh():
   """On a v5p 2x2 mesh the rollout's decode_chunk calls the ragged paged-attention
   kernel, a Mosaic custom call per layer inside `shard_map`, and every program around

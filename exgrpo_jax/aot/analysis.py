@@ -8,10 +8,10 @@ against the target's usable memory. XLA's own
 the learner's scan over micro-batches and layers, the decode loop. Its figures are
 recorded as they are (`xla_flops`, `xla_bytes`), and the estimates use loop-aware counts:
 
-  flops     the matmul FLOPs of the traced program (`matmul_flops`: dot_general, the
-            fused attention kernels, each scan body times its length, each decode-loop
-            body times the program's steps), over the target's devices: an even split
-            is assumed.
+  flops     the matmul FLOPs of the traced program on all the target's devices
+            (`flops.matmul_flops`: dot_general, the attention kernels at the blocks they
+            compute, each loop body times its trip count, the decode loop's times the
+            program's steps), over the devices: an even split is assumed.
   bytes     what each device must read from HBM at least: its arguments and outputs
             once per call (`memory_analysis`), and the decode loop's weights and KV
             cache once per step (the program's `streamed` arguments' shards). A program
@@ -83,58 +83,6 @@ class Result:
     """Within the usable memory but not its margin: never chosen."""
     return (not self.error and not self.fits
             and self.device_peak_bytes <= self.usable_bytes)
-
-
-def _subjaxprs(value):
-  """The jaxprs inside an equation parameter (a jaxpr, a closed one, or a tuple)."""
-  if isinstance(value, jax.extend.core.ClosedJaxpr):
-    return [value.jaxpr]
-  if isinstance(value, jax.extend.core.Jaxpr):
-    return [value]
-  if isinstance(value, (tuple, list)):
-    return [j for v in value for j in _subjaxprs(v)]
-  return []
-
-
-def _attention_flops(eqn, passes: int) -> float:
-  """A fused attention call: `passes` [T x S] matmuls per head (2 forward, 5 backward:
-  recomputed scores, dV, dP, dQ, dK), over the whole T x S product."""
-  q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape  # [B, T, H, Dh], [B, S, K, Dh]
-  return 2.0 * passes * q[0] * q[1] * q[2] * q[3] * k[1]
-
-
-def matmul_flops(jaxpr, loop_steps: int = 1) -> float:
-  """Matmul FLOPs of `jaxpr` (global shapes), loops counted by their trip counts; a
-  while loop's body counts `loop_steps` times (the caller knows its decode steps)."""
-  total = 0.0
-  for eqn in jaxpr.eqns:
-    name, params = eqn.primitive.name, eqn.params
-    if name == "dot_general":
-      (lhs_contract, _), _ = params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
-      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
-          lhs[i] for i in lhs_contract)
-    elif name.startswith("dot_product_attention_fwd"):
-      total += _attention_flops(eqn, 2)
-    elif name.startswith("dot_product_attention_bwd"):
-      total += _attention_flops(eqn, 5)
-    elif name == "pallas_call":
-      grid = params["grid_mapping"].grid
-      total += math.prod(grid) * matmul_flops(params["jaxpr"], loop_steps)
-    elif name == "scan":
-      total += params["length"] * matmul_flops(params["jaxpr"].jaxpr, loop_steps)
-    elif name == "while":
-      total += loop_steps * matmul_flops(params["body_jaxpr"].jaxpr, loop_steps)
-    elif name == "cond":
-      total += max(matmul_flops(b.jaxpr, loop_steps) for b in params["branches"])
-    elif name == "shard_map":
-      axes = params.get("manual_axes") or params.get("axis_names") or ()
-      shards = math.prod(params["mesh"].shape[a] for a in axes)
-      total += shards * matmul_flops(params["jaxpr"], loop_steps)
-    else:
-      total += sum(matmul_flops(j, loop_steps) for v in params.values()
-                   for j in _subjaxprs(v))
-  return total
 
 
 def shard_bytes(tree) -> int:

@@ -19,6 +19,7 @@ from exgrpo_jax import cli
 from exgrpo_jax import models
 from exgrpo_jax import sharding
 from exgrpo_jax.aot import analysis
+from exgrpo_jax.aot import flops
 from exgrpo_jax.aot import programs as programs_lib
 from exgrpo_jax.aot import targets
 from exgrpo_jax.models import attention
@@ -96,8 +97,7 @@ def compile_program(program, outputs: dict, mesh, target) -> analysis.Result:
   cost = analysis.xla_cost(compiled)
   result.xla_flops = float(cost.get("flops", 0.0))
   result.xla_bytes = float(cost.get("bytes accessed", 0.0))
-  result.flops_per_device = analysis.matmul_flops(traced.jaxpr.jaxpr,
-                                                  program.steps) / mesh.size
+  result.flops_per_device = flops.program_flops(program, traced) / mesh.size
   text = compiled.as_text()
   result.collectives = analysis.collectives(text)
   result.custom_calls = analysis.custom_calls(text)

@@ -18,8 +18,8 @@ set against a real run, with this CPU as the target:
 1. `--warmup` + `--steps` training steps of the config, each step's prompt and response
    lengths and phase times recorded (`timing_s/gen`, `old_logprobs`, `update_actor`);
 2. this CPU's roofline: its float32 matmul rate and memory bandwidth, measured before the
-   steps and after each, the best of each (`targets.measured_rates`), as a TPU's or
-   GPU's peak FLOP/s and HBM bandwidth;
+   steps and after each, the median of each (`targets.measured_rates`; `_cpu`), as a
+   TPU's or GPU's peak FLOP/s and HBM bandwidth;
 3. every program of the config's training step compiled for it (`check.run` with
    `targets.this_cpu`), as `exgrpo_jax.aot` compiles for an accelerator, with the
    longest prompt met as `data.max_prompt_tokens` (the trainer buckets the prompts it
@@ -40,11 +40,9 @@ accelerator would (the larger of the two), to show what that rule changes.
       --reprice=docs/results/estimate_check_cpu_study_v3.json
 
 prices a written JSON's recorded steps again with the estimator as it is now, from its
-compiled programs' FLOPs and bytes (nothing compiles or runs), and writes it back.
+compiled programs' FLOPs and bytes and the median of its recorded rates (nothing
+compiles or runs), and writes it back.
 """
-
-import copy
-import dataclasses
 
 import json
 import os
@@ -73,20 +71,20 @@ _REPRICE = flags.DEFINE_string("reprice", None, "A JSON this script wrote: price
                                "steps again (nothing runs) and write it back.")
 
 def _priced(report: dict, overlap: bool) -> dict:
-  """`report` with its target's `overlap` rule set and every program's roofline and the
-  step estimate priced by it from the programs' FLOPs and bytes (`analysis.bound_s`)."""
-  from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
-  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
-  report = copy.deepcopy(report)
-  report["target"]["overlap"] = overlap
-  fields = {f.name for f in dataclasses.fields(analysis.Result)}
-  results = []
-  for p in report["programs"]:
-    p["roofline_s"] = float(analysis.bound_s(p["flops_per_device"], p["hbm_bytes_per_call"],
-                                             report["target"]))
-    results.append(analysis.Result(**{k: v for k, v in p.items() if k in fields}))
-  report["step_estimate"], _ = check.step_estimate(results, [r.name for r in results])
-  return report
+  """`report` with its target's `overlap` rule set, priced by it (`reprice.priced`)."""
+  from exgrpo_jax.aot import reprice as reprice_lib  # pylint: disable=g-import-not-at-top
+  return reprice_lib.priced(dict(report, target=dict(report["target"], overlap=overlap)))
+
+
+def _cpu(gflops: list, gbps: list) -> dict:
+  """This CPU's rates for the roofline from its readings (one before the steps, one after
+  each): the medians. Other work on the machine lowers some readings and a quiet moment
+  raises one (215 GFLOP/s once, beside six of 94-104), so neither the best nor the
+  worst is the rate the steps ran at."""
+  gflops, gbps = [round(r, 1) for r in gflops], [round(r, 1) for r in gbps]  # as recorded
+  return dict(matmul_gflops_per_s=float(np.median(gflops)),
+              bandwidth_gb_per_s=float(np.median(gbps)), statistic="median of the readings",
+              measured_gflops_per_s=gflops, measured_gb_per_s=gbps)
 
 
 def _rank(seconds: dict) -> list[str]:
@@ -137,11 +135,15 @@ def reprice(path: str, out: str | None) -> None:
                          f"{' or '.join(missing)})")
   recorded = [{k: v for k, v in r.items() if k not in ("estimated_s", "overlapped_s")}
               for r in old["steps"]]
-  keep = ("command", "load_average", "date", "cpu", "warmup_steps", "measured_steps")
+  cpu = old["cpu"] | _cpu(old["cpu"]["measured_gflops_per_s"], old["cpu"]["measured_gb_per_s"])
+  report = dict(old["report"], target=dict(
+      old["report"]["target"], peak_flops=cpu["matmul_gflops_per_s"] * 1e9,
+      hbm_bandwidth=cpu["bandwidth_gb_per_s"] * 1e9))
+  keep = ("command", "load_average", "date", "warmup_steps", "measured_steps")
   repriced = dict(repriced="python scripts/bench/check_estimate_cpu.py "
                   + " ".join(sys.argv[1:]), repriced_date=time.strftime("%Y-%m-%d"))
-  _write({k: old[k] for k in keep if k in old} | repriced
-         | _compared(old["report"], recorded), out or path)
+  _write({k: old[k] for k in keep if k in old} | dict(cpu=cpu) | repriced
+         | _compared(report, recorded), out or path)
 
 
 def main(argv):
@@ -182,8 +184,8 @@ def _main():
   # The programs at the shapes the steps ran: the trainer buckets the longest prompt it
   # meets, which the config's max_prompt_tokens only bounds.
   config.data.max_prompt_tokens = max(max(s["prompt_lens"]) for s in steps)
-  # Other work on the machine lowers a measured rate: the CPU's peak is the best seen.
-  peak, bandwidth = map(max, zip(*rates))
+  cpu = _cpu([r[0] / 1e9 for r in rates], [r[1] / 1e9 for r in rates])
+  peak, bandwidth = cpu["matmul_gflops_per_s"] * 1e9, cpu["bandwidth_gb_per_s"] * 1e9
   target = targets.this_cpu(peak, bandwidth)
   print(f"[check] this CPU: {peak / 1e9:.1f} GFLOP/s (float32 matmul), "
         f"{bandwidth / 1e9:.1f} GB/s; compiling the step's programs for it", file=sys.stderr,
@@ -197,10 +199,7 @@ def _main():
       command="python scripts/bench/check_estimate_cpu.py " + " ".join(sys.argv[1:]),
       load_average=dict(before=load_before, after=os.getloadavg()),
       date=time.strftime("%Y-%m-%d"),
-      cpu=dict(device_kind=target.device_kind, devices=target.devices,
-               matmul_gflops_per_s=peak / 1e9, bandwidth_gb_per_s=bandwidth / 1e9,
-               measured_gflops_per_s=[round(r[0] / 1e9, 1) for r in rates],
-               measured_gb_per_s=[round(r[1] / 1e9, 1) for r in rates]),
+      cpu=dict(device_kind=target.device_kind, devices=target.devices) | cpu,
       warmup_steps=_WARMUP.value, measured_steps=len(recorded))
          | _compared(report, recorded), _OUT.value)
 
