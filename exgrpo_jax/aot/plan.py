@@ -62,8 +62,9 @@ def config_name(spec: str) -> str:
   return os.path.basename(path).removesuffix(".py") + (f":{arg}" if arg else "")
 
 
-def _config(spec: str, tensor: int, devices: int, micro: int, max_rows: int,
-            kv_pages: int = 0):
+def configured(spec: str, tensor: int, devices: int, micro: int, max_rows: int,
+               kv_pages: int = 0):
+  """The config file `spec` at a mesh of `tensor`, a micro-batch, slots and a pool."""
   config = config_cli.load(spec)
   with config.unlocked():
     config.mesh.shape = (devices // tensor, tensor)
@@ -104,7 +105,7 @@ class Planner:
     self.search, self.skipped = [], []
 
   def compile(self, tensor, micro, max_rows, parts, kv_pages=0) -> dict:
-    config = _config(self.spec_path, tensor, self.spec.devices, micro, max_rows, kv_pages)
+    config = configured(self.spec_path, tensor, self.spec.devices, micro, max_rows, kv_pages)
     print(f"[plan] {self.name} {self.target} tensor={tensor} micro={micro} "
           f"max_rows={max_rows} kv_pages={kv_pages} {'+'.join(parts)}", file=sys.stderr,
           flush=True)

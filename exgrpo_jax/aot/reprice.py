@@ -48,7 +48,7 @@ def traced_flops(spec: str, report: dict) -> dict:
   from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
   from exgrpo_jax.aot import plan as plan_lib  # pylint: disable=g-import-not-at-top
   target, b = targets.get(report["target"]["name"]), report["batch"]
-  config = plan_lib._config(  # pylint: disable=protected-access
+  config = plan_lib.configured(
       spec, report["mesh"].get("tensor", 1), target.devices, b["micro_batch_size"],
       b["max_rows"], b["kv_pages"])
   mesh = sharding.make_mesh(config.mesh, targets.devices(
@@ -87,9 +87,10 @@ def reprice(plan: dict) -> dict:
   new = priced(new)
   headroom = config_cli.load(plan["config"]).rollout.kv_headroom
   tensor = new["mesh"].get("tensor", 1)
-  settled = [dict(s, mid_step_s=plan_lib._mid_step_s(new, headroom))  # pylint: disable=protected-access
+  settled = [dict(s, mid_step_s=plan_lib.mid_step_s(dict(report=new, chosen=s), headroom))
              if s["tensor"] == tensor else s for s in plan.get("settled", [])]
-  return dict(copy.deepcopy(plan), report=new, settled=settled, repriced=dict(
+  return dict(copy.deepcopy(plan), report=new, settled=settled,
+              margin_gib=plan_lib.margin_gib(plan), repriced=dict(
       date=time.strftime("%Y-%m-%d"), jax=jax.__version__,
       flops_per_device_before={p["name"]: p["flops_per_device"]
                                for p in report["programs"]},
