@@ -205,6 +205,12 @@ def test_where_64_reserved_rows_do_not_fit_64_slots_take_the_largest_pool_that_d
      "(--like-any takes its settings anyway)"),
     (["--config=configs/qwen7b.py", "--target=v5p-8", "--out={tmp}/o.json", "--like-any"],
      "--like-any is read only with --like PLAN"),
+    (["--reprice", "{repo}/docs/results/bench_lora.json"],
+     "--reprice {repo}/docs/results/bench_lora.json: not a plan (written by "
+     "`exgrpo_jax.aot plan --out`)"),
+    (["--reprice", "{tmp}/nothing*.json"], "--reprice {tmp}/nothing*.json: no such file"),
+    (["--reprice", "{tmp}/plan.json", "--target=v5p-8"],
+     "--target searches; --reprice only reprices plans: give one or the other"),
     (["--config=configs/nosuch.py", "--target=v5p-8", "--out={tmp}/o.json"],
      "--config=configs/nosuch.py: no such file"),
     (["--config=configs/tiny.py", "--target=v5p-8", "--out={tmp}/o.json",

@@ -100,13 +100,13 @@ def render(paths) -> str:
   return "\n".join(lines + ([""] + verdicts if verdicts else []) + [""] + estimates)
 
 
-def _plan_files(parser, patterns: list[str]) -> list[str]:
-  """The files `--render` names; a pattern matching nothing is a bad argument."""
+def _plan_files(parser, patterns: list[str], flag: str = "--render") -> list[str]:
+  """The files `flag` names; a pattern matching nothing is a bad argument."""
   paths = []
   for pattern in patterns:
     found = sorted(glob.glob(pattern))
     if not found:
-      parser.error(f"--render {pattern}: no such file")
+      parser.error(f"{flag} {pattern}: no such file")
     paths += found
   return paths
 
@@ -191,6 +191,10 @@ def _parser() -> argparse.ArgumentParser:
                       "choice with this many rollout slots over its pool (a slot count "
                       "--estimate recommends)")
   parser.add_argument("--render", nargs="+", help="render these plan JSON files")
+  parser.add_argument("--reprice", nargs="+", help="count these plans' FLOPs again from a "
+                      "fresh trace (no compile) and write their rooflines and step "
+                      "estimates back in place (exgrpo_jax.aot.reprice); in the target's "
+                      "environment (.aot/tpu or .aot/gpu)")
   parser.add_argument("--estimate", action="store_true", help="with --render: the "
                       "rollout's seconds at real lengths too (exgrpo_jax.aot.lengths): the "
                       "three scenarios, or --lengths / --mean, and all rows at the cap")
@@ -208,10 +212,13 @@ def _refuse_ignored(parser, args) -> None:
   """Flags that the chosen mode would not read are refused, not ignored."""
   given = lambda *names: [f"--{n.replace('_', '-')}" for n in names
                           if getattr(args, n) not in (None, False)]
-  if args.render:
+  if args.render and args.reprice:
+    parser.error("--render and --reprice: give one")
+  if args.render or args.reprice:
+    mode = "--render only renders" if args.render else "--reprice only reprices"
     extra = given("config", "target", "out", "like", "like_any", "meshes", "slots")
     if extra:
-      parser.error(f"{extra[0]} searches; --render only renders plans: give one or the other")
+      parser.error(f"{extra[0]} searches; {mode} plans: give one or the other")
   else:
     extra = given("estimate", "lengths", "mean", "cap_share")
     if extra:
@@ -226,6 +233,29 @@ def _refuse_ignored(parser, args) -> None:
     parser.error("--cap-share is read only with --mean")
   if args.lengths and args.mean is not None:
     parser.error("--lengths and --mean are two length distributions: give one")
+
+
+def _reprice(parser, args) -> int:
+  """Each plan of --reprice counted again and priced (`reprice.reprice`), written back."""
+  paths = _plan_files(parser, args.reprice, "--reprice")
+  plans = {path: _read_plan(parser, "--reprice", path) for path in paths}
+  for path, p in plans.items():
+    if not plan_lib.is_plan(p):
+      parser.error(f"--reprice {path}: not a plan (written by `{PROG} --out`)")
+  targets.prepare_environment()
+
+  def go() -> int:
+    from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+    from exgrpo_jax.aot import reprice  # pylint: disable=g-import-not-at-top
+    for path, p in plans.items():
+      new = reprice.reprice(p)
+      check.save(new, path)
+      before = (p.get("report") or {}).get("step_estimate") or {}
+      after = (new.get("report") or {}).get("step_estimate") or {}
+      print(f"{path}: step {before.get('total_s', 0):.0f} s -> {after.get('total_s', 0):.0f} s "
+            "(every response at the cap, roofline)", flush=True)
+    return 0
+  return cli.guarded(go, debug=args.debug, prefix=PROG)
 
 
 def main(argv=None) -> int:
@@ -244,6 +274,8 @@ def main(argv=None) -> int:
     if args.estimate:
       print("\n" + _estimates(parser, args, plans))
     return 0
+  if args.reprice:
+    return _reprice(parser, args)
   if not (args.config and args.target and args.out):
     parser.error("give --config, --target and --out (or --render FILES)")
   problem = config_cli.config_problem([f"--config={args.config}"])
