@@ -458,3 +458,69 @@ def test_an_unwritable_output_is_refused_before_any_work(tmp_path, command, flag
       f"exgrpo_jax.study: {flag} {bad}: cannot write there ({tmp_path / 'file'} is not a "
       "directory)"]
   assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+RECIPE = protocol.load(os.path.join(conftest.REPO_ROOT, "configs", "study_lora_recipe.py"))
+
+
+def _tuned_run(out, arm, seed, auc, start=0.2, greedy_end=None):
+  """A run of the recipe study whose avg@2 is `auc` from step 10, with its own step 0."""
+  fake_run(out, arm, seed, auc)
+  path = os.path.join(out, f"{arm}_s{seed}.json")
+  with open(path, encoding="utf-8") as f:
+    run = json.load(f)
+  run["evals"]["0"] = {"avg@2": start, "greedy": start}
+  if greedy_end is not None:
+    run["evals"]["40"]["greedy"] = greedy_end
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(run, f)
+
+
+def test_the_recipe_study_tunes_on_seeds_1_and_2_then_confirms_the_winner_on_5_to_8(
+    tmp_path):
+  out = str(tmp_path)
+  for seed in (1, 2, 5, 6, 7, 8):
+    fake_run(out, "onpolicy", seed, 0.5)
+  todo, state = protocol.plan(RECIPE, protocol.read_summaries(out), False)
+  assert state == "tuning" and todo == [(arm, s) for s in (1, 2)
+                                        for arm in ("lr1e-4", "lr3e-4", "lr1e-3")]
+  # lr1e-3 scores best but collapses on seed 2 (greedy accuracy 10 points below step 0).
+  for seed in (1, 2):
+    _tuned_run(out, "lr1e-4", seed, 0.40)
+    _tuned_run(out, "lr3e-4", seed, 0.46)
+    _tuned_run(out, "lr1e-3", seed, 0.55, greedy_end=0.1 if seed == 2 else None)
+  runs = protocol.read_summaries(out)
+  assert protocol.tuned(RECIPE, runs) == "lr3e-4"  # the collapsed lr1e-3 is never chosen
+  todo, state = protocol.plan(RECIPE, runs, False)
+  assert (todo, state) == ([("tuned", s) for s in (5, 6, 7, 8)], "stage 1")
+  cmd = study_runs.command(protocol.resolve(RECIPE, runs), out, "tuned", 5, sys.executable)
+  assert cmd[5:9] == [f"--workdir={out}/tuned_s5", "--config.model.lora.rank=8",
+                      "--config.model.lora.alpha=16.0", "--config.optim.lr=3e-4"]
+  for seed in (5, 6, 7, 8):
+    _tuned_run(out, "tuned", seed, 0.49 + 0.01 * (seed % 2))
+  runs = protocol.read_summaries(out)
+  assert protocol.plan(RECIPE, runs, False) == (
+      [], "done (pairs tuned - onpolicy; tuned = lr3e-4)")
+  assert protocol.plan(RECIPE, runs, True)[0] == [("tuned_r1", s) for s in (5, 6, 7, 8)]
+  rank1 = study_runs.command(protocol.resolve(RECIPE, runs), out, "tuned_r1", 5,
+                             sys.executable)
+  assert rank1[5:9] == [f"--workdir={out}/tuned_r1_s5", "--config.model.lora.alpha=16.0",
+                        "--config.optim.lr=3e-4", "--config.model.lora.rank=1"]
+  reported = study_report.report(protocol.resolve(RECIPE, runs), runs)
+  assert reported["tuning"]["winner"] == "lr3e-4"
+  assert reported["tuning"]["candidates"]["lr1e-3"]["collapsed"]
+  assert reported["tuning"]["candidates"]["lr3e-4"]["vs"]["seeds"] == [1, 2]
+  primary = reported["primary"]
+  assert primary["pair"] == "tuned - onpolicy" and primary["seeds"] == [5, 6, 7, 8]
+  assert set(primary["by_step"]) == {"10", "20", "30", "40"}
+  assert primary["by_step"]["10"]["mean"] == pytest.approx(primary["mean"])
+
+
+def test_a_tie_in_tuning_goes_to_the_smaller_learning_rate(tmp_path):
+  out = str(tmp_path)
+  for seed in (1, 2):
+    fake_run(out, "onpolicy", seed, 0.5)
+    _tuned_run(out, "lr1e-4", seed, 0.460)
+    _tuned_run(out, "lr3e-4", seed, 0.464)  # 0.4 points above: within the 0.5-point tie
+    _tuned_run(out, "lr1e-3", seed, 0.30)
+  assert protocol.tuned(RECIPE, protocol.read_summaries(out)) == "lr1e-4"

@@ -37,8 +37,16 @@ def by_arm(config, summaries: dict) -> dict:
   return dict(sorted(runs.items(), key=lambda kv: order.index(kv[0])))
 
 
+def _ci95(d: np.ndarray) -> list[float]:
+  """The 95% t interval of the mean of `d` (two or more values)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
+  return [float(d.mean()) - half, float(d.mean()) + half]
+
+
 def paired(config, runs: dict, a: str, b: str, seeds=None) -> dict | None:
-  """AUC(a) - AUC(b) by seed, with its tests; None where no seed has both."""
+  """AUC(a) - AUC(b) by seed, with its tests, and the held-out avg@2 difference at each
+  evaluation step (`by_step`: mean and 95% CI); None where no seed has both."""
   from scipy import stats  # pylint: disable=g-import-not-at-top
   common = sorted(set(runs.get(a, {})) & set(runs.get(b, {})) & set(seeds or range(1, 99)))
   if not common:
@@ -49,11 +57,36 @@ def paired(config, runs: dict, a: str, b: str, seeds=None) -> dict | None:
          "mean": float(d.mean()), "for": int((d > 0).sum()), "against": int((d < 0).sum())}
   if len(d) > 1:
     sd = float(d.std(ddof=1))
-    half = float(stats.t.ppf(0.975, len(d) - 1) * sd / np.sqrt(len(d)))
-    out.update(sd=sd, ci95=[out["mean"] - half, out["mean"] + half],
+    out.update(sd=sd, ci95=_ci95(d),
                t_p=float(stats.ttest_1samp(d, 0.0).pvalue) if sd > 0 else None,
                wilcoxon_p=float(stats.wilcoxon(d).pvalue) if np.any(d != 0) else None)
+  by_step = {}
+  for step in map(str, config.eval_steps):
+    at = np.array([runs[a][s]["evals"][step]["avg@2"] - runs[b][s]["evals"][step]["avg@2"]
+                   for s in common])
+    by_step[step] = {"mean": float(at.mean())} | ({"ci95": _ci95(at)} if len(at) > 1 else {})
+  out["by_step"] = by_step
   return out
+
+
+def tuning(config, summaries: dict, runs: dict) -> dict | None:
+  """The tuning's candidates (mean AUC over its seeds, whether a run collapsed, the
+  paired difference from the primary pair's second arm there) and its winner; None
+  without a tuning section."""
+  t = config.get("tuning")
+  if not t:
+    return None
+  candidates = {}
+  for arm in t.arms:
+    done = [runs[arm][s] for s in t.seeds if s in runs.get(arm, {})]
+    if done:
+      candidates[arm] = dict(
+          seeds=[s for s in t.seeds if s in runs[arm]],
+          auc=float(np.mean([protocol.auc(r, config.eval_steps) for r in done])),
+          collapsed=any(protocol.collapsed(r, config) for r in done),
+          vs=paired(config, runs, arm, config.primary[1], t.seeds))
+  return dict(seeds=list(t.seeds), tie=t.tie, candidates=candidates,
+              winner=protocol.tuned(config, summaries))
 
 
 def verdict(config, runs: dict, primary: dict | None, pairs: tuple) -> dict:
@@ -127,7 +160,9 @@ def report(config, summaries: dict) -> dict:
   table = [{k: v for k, v in r.items() if k != "curves"}
            | {"auc": protocol.auc(r, config.eval_steps)}
            for seeds in runs.values() for r in seeds.values()]
+  chosen = tuning(config, summaries, runs)
   return {"protocol": config.protocol, "config": config.train_config, "runs": table,
+          **({"tuning": chosen} if chosen else {}),
           "primary": primary, "attribution": attribution, "exploratory": exploratory,
           "arms": {arm: arm_summary(config, seeds) for arm, seeds in runs.items()},
           "rules": verdict(config, runs, primary, pairs) if config.verdict.exgrpo else None,
