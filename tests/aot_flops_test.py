@@ -76,10 +76,9 @@ def _mesh_child(outdir: str) -> None:
 @pytest.fixture(scope="module")
 def mesh_counts(tmp_path_factory):
   outdir = tmp_path_factory.mktemp("flops")
-  conftest.run_on_cpu_devices(
-      f"from tests import aot_flops_test as t; t._mesh_child({str(outdir)!r})", 4)
-  with open(outdir / "counts.json", encoding="utf-8") as f:
-    return json.load(f)
+  return conftest.run_on_cpu_devices(
+      f"from tests import aot_flops_test as t; t._mesh_child({str(outdir)!r})", 4,
+      result=outdir / "counts.json")
 
 
 def test_a_shard_mapped_matmul_counts_its_unsharded_flops(mesh_counts):

@@ -1,6 +1,7 @@
 """Shared pytest fixtures: paths to the real data and model, tiny HF checkpoints, and how
 the tests compile (fast on CPU, caches cleared between modules)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -71,11 +72,13 @@ def subprocess_env(**overrides) -> dict:
   return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)
 
 
-def run_on_cpu_devices(call: str, devices: int, timeout: float = 600) -> None:
+def run_on_cpu_devices(call: str, devices: int, timeout: float = 600,
+                       result: str | None = None):
   """Runs the Python statement `call` (e.g. "from tests import t; t._child('/tmp/x')")
   in a child process of this checkout with `devices` CPU devices (a device count is
   fixed when JAX starts, and the other tests expect one), compiling as `FAST_COMPILE`
-  says; fails with the tail of its stderr unless it exits 0.
+  says; fails with the tail of its stderr unless it exits 0. `result`: a JSON file the
+  child writes, returned read.
 
   XLA's CPU client runs the devices' programs on a pool of one thread a core (PJRT_NPROC
   overrides it). A program blocked in a host callback holds its thread: Pallas's TPU
@@ -89,6 +92,9 @@ def run_on_cpu_devices(call: str, devices: int, timeout: float = 600) -> None:
   proc = subprocess.run([sys.executable, "-c", call], cwd=REPO_ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout, check=False)
   assert proc.returncode == 0, proc.stderr[-5000:]
+  if result:  # the JSON file the child wrote
+    with open(result, encoding="utf-8") as f:
+      return json.load(f)
 
 
 @pytest.fixture(scope="session")

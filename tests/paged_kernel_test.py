@@ -169,11 +169,9 @@ def _mesh_child(outdir: str) -> None:
 
 @pytest.mark.slow
 def test_kernel_path_on_a_mesh_gives_the_xla_paths_rows(tmp_path):
-  conftest.run_on_cpu_devices(
+  rows = conftest.run_on_cpu_devices(
       f"from tests import paged_kernel_test as t; t._mesh_child({str(tmp_path)!r})", 4,
-      timeout=900)
-  with open(tmp_path / "rows.json", encoding="utf-8") as f:
-    rows = json.load(f)
+      timeout=900, result=tmp_path / "rows.json")
   ref, out = rows["False"], rows["True"]
   assert ref["lengths"] == out["lengths"] and ref["tokens"] == out["tokens"]
   np.testing.assert_allclose(out["logprobs"], ref["logprobs"], rtol=0, atol=1e-5)

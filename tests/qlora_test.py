@@ -252,10 +252,9 @@ def test_a_step_and_the_merge_on_an_fsdp_tensor_mesh_match_one_device(tmp_path):
   """On 4 CPU devices (fsdp 2 x tensor 2) every quantized projection's codes are split,
   not replicated; a learner step keeps the base's bytes and gives one device's adapters,
   and the merged weights match one device's."""
-  conftest.run_on_cpu_devices(
-      f"from tests import qlora_test; qlora_test._sharded_child({str(tmp_path)!r})", 4)
-  with open(tmp_path / "summary.json") as f:
-    summary = json.load(f)
+  summary = conftest.run_on_cpu_devices(
+      f"from tests import qlora_test; qlora_test._sharded_child({str(tmp_path)!r})", 4,
+      result=tmp_path / "summary.json")
   assert summary["base_kept"]
   assert all(not replicated and split for replicated, split in summary["codes"].values()), (
       summary["codes"])

@@ -78,10 +78,9 @@ def _child(outdir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   outdir = tmp_path_factory.mktemp("sharded_attention")
-  conftest.run_on_cpu_devices(
-      f"from tests import sharded_attention_test as t; t._child({str(outdir)!r})", 8)
-  with open(outdir / "results.json") as f:
-    return json.load(f)
+  return conftest.run_on_cpu_devices(
+      f"from tests import sharded_attention_test as t; t._child({str(outdir)!r})", 8,
+      result=outdir / "results.json")
 
 
 @pytest.mark.parametrize("case", CASES)
