@@ -55,15 +55,18 @@ def prefill_seconds(report: dict) -> float:
 
 
 def render(paths) -> str:
-  """docs/aot.md's tables: per config and target, the chosen settings, the pool's bound on
-  the rows (`plan.pool_bound`) and the compiler's per-device peaks (GiB) of the learner step
-  and the largest rollout program, with the
-  verdict of each that does not fit below; then the roofline estimate of one training
-  step with them, the HBM bytes of one decode step (`decode_step_bytes`) and the
-  prefill's part of the rollout (`prefill_seconds`)."""
+  """docs/aot.md's tables: per config and target, the chosen settings, the rows the
+  chosen pool holds at their longest (`pool rows`), the most the memory would hold beside
+  the decode (`memory's bound`, `plan.pool_bound`), the compiler's per-device peaks (GiB)
+  of the learner step and the largest rollout program, the usable memory and the margin
+  kept below it, with the verdict of each that does not fit below; then the roofline
+  estimate of one training step with them (every response at the cap, and the plan's
+  mid step, `plan.mid_step_s`), the HBM bytes of one decode step (`decode_step_bytes`)
+  and the prefill's part of the rollout (`prefill_seconds`)."""
+  from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
   lines = ["| config | target | mesh fsdp x tensor | micro-batch | max_rows | kv_pages "
-           "| pool bound | learner peak | rollout peak (program) | usable | margin |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| pool rows | memory's bound | learner peak | rollout peak (program) | usable "
+           "| margin |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   estimates = ["| config | target | rows per call | decode GiB per step | rollout s "
                "| of it prefill s | old-log-prob recompute s | learner s | step s "
                "| mid step s |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -77,7 +80,7 @@ def render(paths) -> str:
   for name, p in sorted(plans, key=lambda t: (t[0], t[1]["target"])):
     margin = f"{plan_lib.margin_gib(p):.2f}"
     if not p["fits"] or "report" not in p:
-      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | | | "
+      lines.append(f"| {name} | {p['target']} | does not fit (below) | | | | | | | "
                    f"| {p['usable_gib']:.2f} | {margin} |")
       verdicts.append(f"- {p['verdict']}")
       continue
@@ -88,7 +91,9 @@ def render(paths) -> str:
     lines.append(
         f"| {name} | {p['target']} | {p['report']['mesh'].get('fsdp', 1)} x "
         f"{p['report']['mesh'].get('tensor', 1)} | {c['micro_batch_size']} | {c['max_rows']} "
-        f"| {c.get('kv_pages') or 'all rows'} | {plan_lib.pool_bound(p['report']):.0f} "
+        f"| {c.get('kv_pages') or 'all rows'} "
+        f"| {lengths.capacity_pages(p) // lengths.row_pages(p['report'])} "
+        f"| {plan_lib.pool_bound(p['report']):.0f} "
         f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
         f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
         f"| {p['usable_gib']:.2f} | {margin} |")
