@@ -249,6 +249,21 @@ COMMANDS = [
             skip="minutes of real training steps on this CPU, timed: a measurement, whose "
             "output is docs/results/estimate_check_cpu_study_v3.json"),
     Command("python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
+            "--config.algo.old_logp_source=recompute --config.model.lora.rank=8 "
+            "--config.model.lora.alpha=16.0 --config.optim.lr=1e-4 "
+            "--out=docs/results/estimate_check_cpu_study_v3_lora.json",
+            skip="minutes of real LoRA training steps on this CPU, timed: a measurement, "
+            "whose output is docs/results/estimate_check_cpu_study_v3_lora.json"),
+    Command("python -m exgrpo_jax.train --config=configs/qwen7b.py:h200x8 "
+            "--workdir=runs/qwen7b --print_config",
+            run="{python} -m exgrpo_jax.train --config=configs/qwen7b.py:h200x8 "
+            "--workdir={tmp}/qwen7b --print_config",
+            expect=r'"kv_pages": 0,[^}]*"max_rows": 1024'),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m exgrpo_jax.train "
+            "--config=configs/qwen7b_lora.py:h100x1 --workdir=runs/qwen7b_lora",
+            skip="Qwen2.5-Math-7B's checkpoint and one H100; configs_test holds the config "
+            "to its plan"),
+    Command("python scripts/bench/check_estimate_cpu.py --config=configs/smollm2_study_v3.py "
             "--config.algo.old_logp_source=recompute --config.rollout.max_new_tokens=128 "
             "--config.rollout.max_rows=16 --config.data.source=file "
             "--config.data.train_path=gsm8k_train.parquet "
@@ -256,7 +271,7 @@ COMMANDS = [
             skip="a GSM8K data file (docs/data.md) and minutes of timed training steps"),
     Command("python -m exgrpo_jax.aot plan --render docs/results/aot_*.json",
             run="{python} -m exgrpo_jax.aot plan --render docs/results/aot_*.json",
-            expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 1024 \| 137800 \|"),
+            expect=r"\| qwen7b \| h100x8 \| 2 x 4 \| 8 \| 1024 \| 129314 \|"),
     Command("python -m exgrpo_jax.aot plan --render docs/results/aot_*.json --estimate",
             covered="tests/aot_lengths_test.py::"
             "test_the_planner_prints_the_estimates_beside_the_compiled_worst_case"),
