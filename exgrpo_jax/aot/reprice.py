@@ -69,11 +69,12 @@ def reprice(plan: dict) -> dict:
   """`plan` (a copy) with its report's FLOPs per device counted again from a fresh trace
   (`traced_flops`), its rooflines and step estimate priced with them (`priced`), and the
   chosen mesh's `mid_step_s` in `settled` again; the counts it had, and the step
-  estimate, under `repriced`. A plan that does not fit has no programs: returned as is.
+  estimate, under `repriced`. A plan that does not fit has no programs: returned as is,
+its margin recorded.
   Raises ValueError where the plan's programs are not the ones traced."""
   from exgrpo_jax.aot import plan as plan_lib  # pylint: disable=g-import-not-at-top
   if not plan.get("fits") or "report" not in plan:
-    return copy.deepcopy(plan)
+    return dict(copy.deepcopy(plan), margin_gib=plan_lib.margin_gib(plan))
   report = plan["report"]
   counted = traced_flops(plan["config"], report)
   written = [p["name"] for p in report["programs"]]
