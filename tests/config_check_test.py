@@ -181,8 +181,8 @@ def test_jax_sampler_settings_with_the_vllm_engine_are_named_not_refused():
   assert config_check.ignored(c) == [
       "config.rollout.max_rows=1024 sizes the JAX sampler's KV cache; the vllm engine "
       "ignores it (rollout.vllm.max_num_seqs bounds its batch)",
-      "config.rollout.kv_pages=137800 sizes the JAX sampler's KV pool; the vllm engine "
-      "ignores it (rollout.vllm.gpu_memory_utilization sizes its own)",
+      f"config.rollout.kv_pages={c.rollout.kv_pages} sizes the JAX sampler's KV pool; the "
+      "vllm engine ignores it (rollout.vllm.gpu_memory_utilization sizes its own)",
       "config.rollout.scheduler='static' is the JAX sampler's; the vllm engine schedules "
       "its own rows"]
 
