@@ -34,7 +34,7 @@ SMOLLM2_FLAGS = (f"--config.model.hub_id={SMOLLM2}",
                  "--config.model.path=checkpoints/SmolLM2-135M-Instruct")
 
 
-def _lay_out(source: str, cache: str, repo_id: str, allow, ignore) -> None:
+def lay_out(source: str, cache: str, repo_id: str, allow, ignore) -> None:
   """`source`'s files that the patterns select, as huggingface_hub's cache holds a
   downloaded snapshot of `repo_id` (files linked, not copied)."""
   repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
@@ -59,7 +59,7 @@ def install_fake_download(source: str) -> None:
   def snapshot_download(repo_id, *, local_files_only=False, allow_patterns=None,
                         ignore_patterns=None, **kw):
     if not local_files_only:
-      _lay_out(source, constants.HF_HUB_CACHE, repo_id, allow_patterns, ignore_patterns)
+      lay_out(source, constants.HF_HUB_CACHE, repo_id, allow_patterns, ignore_patterns)
     return real(repo_id, local_files_only=True, allow_patterns=allow_patterns,
                 ignore_patterns=ignore_patterns, **kw)
 
