@@ -121,6 +121,28 @@ def test_fetch_downloads_checks_and_the_run_reads_it_by_hub_id(tmp_path, hub_rep
   assert f"reading model.hub_id={SMOLLM2} from the Hugging Face cache" in shown.stderr
 
 
+def test_fetch_offline_checks_a_copy_in_the_cache_or_names_what_is_missing(tmp_path,
+                                                                         smollm2_hf_dir):
+  """A machine without the network (`HF_HUB_OFFLINE=1`, docs/first_run.md): the real
+  huggingface_hub finds a copy carried into the cache, and fetch checks it; with none
+  there, one line names the model and the cache, exit 1."""
+  cache = tmp_path / "hf_cache"
+  argv = ("-m", "exgrpo_jax.fetch", "--config=configs/smollm2_135m.py", *SMOLLM2_FLAGS)
+  env = conftest.subprocess_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+  run = lambda: subprocess.run([sys.executable, *argv], cwd=conftest.REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=300, check=False)
+  missing = run()
+  assert missing.returncode == cli.EXIT_ERROR, missing.stderr[-3000:]
+  assert missing.stderr.strip() == (f"exgrpo_jax.fetch: {SMOLLM2}: the hub cannot be reached "
+                                    f"and the Hugging Face cache ({cache}) holds no copy")
+  lay_out(smollm2_hf_dir, str(cache), SMOLLM2, hub.ALLOW_PATTERNS, hub.IGNORE_PATTERNS)
+  found = run()
+  assert found.returncode == 0, found.stderr[-3000:]
+  snapshot = cache / f"models--{SMOLLM2.replace('/', '--')}" / "snapshots" / COMMIT
+  assert found.stdout.splitlines()[0] == f"{SMOLLM2}: {snapshot}"
+  assert found.stdout.splitlines()[-1].startswith("checked: a run of this config reads it")
+
+
 def test_fetch_refuses_a_config_without_a_hub_id(tmp_path):
   proc = _run("-m", "exgrpo_jax.fetch", "--config=configs/smollm2_135m.py", cache=tmp_path)
   assert proc.returncode == cli.EXIT_USAGE
