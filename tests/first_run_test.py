@@ -25,6 +25,7 @@ guide shows. Slow (minutes of training on 2 cores): CI runs the file in its vLLM
 (.ci/run). Assertions are on what each step prints and writes, never on its time.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -291,12 +292,13 @@ def test_eval_scores_the_export(rehearsal, trained):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (.ci/run installs its CPU build)")
 def test_vllm_serves_the_export_and_evaluates_it_as_the_jax_engine(rehearsal, trained):
   """The guide's server command on the merged export answers the greedy request with the
   JAX sampler's tokens for the chat prompt; eval with vLLM prints the JAX engine's
   table (greedy, float32)."""
   del trained
-  pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run installs its CPU build)")
   from tests import vllm_server  # pylint: disable=g-import-not-at-top
   hf_dir = rehearsal.path(WORKDIR, "hf")
   body = json.loads(shlex.split(REQUEST)[-1])
