@@ -62,7 +62,7 @@ FIRST_RUN = "tests/first_run_test.py::"
 SEVEN_B = ("Qwen2.5-Math-7B and a GPU or TPU; the rehearsal runs the step with SmolLM2 on a "
            "CPU: " + FIRST_RUN)
 PLAN_REHEARSAL = "test_the_planner_plans_this_cpu_and_renders_the_h100_plan"
-TRAIN_REHEARSAL = "test_a_killed_run_resumes_with_the_same_command_and_stops_within_its_budget"
+TRAIN_REHEARSAL = "test_a_killed_run_resumes_with_the_same_command_until_its_budget_ends_it"
 CONVERT_REHEARSAL = "test_convert_writes_the_merged_model_and_the_adapter_on_its_hub_id"
 VLLM_REHEARSAL = "test_vllm_serves_the_export_and_evaluates_it_as_the_jax_engine"
 

@@ -12,8 +12,8 @@ that holds the embedded SmolLM2's HF directory under its hub id, as a download l
   and the committed H100 plan renders with its estimate;
 * the run trains LoRA adapters on a budget sized from the CPU plan, checkpointing and
   exporting by wall time; it is killed (SIGKILL) after a checkpoint taken by wall time,
-  the same command resumes it, and it stops within its budget, evaluated, checkpointed
-  and exported, exit 0;
+  the same command resumes it, and its budget ends it: the last step evaluated,
+  checkpointed and exported, exit 0;
 * plot_run draws it, convert exports it again, PEFT loads the adapter onto the base it
   names (the hub id, from the cache) with the merged export's logits, eval scores it;
 * with vLLM's CPU build, the server on the merged export answers the guide's greedy
@@ -224,7 +224,7 @@ def test_the_planner_plans_this_cpu_and_renders_the_h100_plan(rehearsal, planned
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_with_the_same_command_and_stops_within_its_budget(
+def test_a_killed_run_resumes_with_the_same_command_until_its_budget_ends_it(
     rehearsal, trained):
   killed, step, resumed = trained
   workdir = rehearsal.path(WORKDIR)
