@@ -25,6 +25,7 @@ import pandas as pd
 import pytest
 
 from tests import conftest
+from tests import first_run_test
 from tests.sampling_cli_test import tiny_dir  # pylint: disable=unused-import
 
 DOCS = ("README.md", *sorted(
@@ -58,6 +59,15 @@ class Command:
 
 _TRAIN_SHORT = ("--config.train.steps=1 --config.eval.limit=2 --config.rollout.max_new_tokens=8 "
                 "--config.eval.max_new_tokens=8")
+# docs/first_run.md: its 7B commands need the model and an accelerator; its rehearsal, the
+# same steps with SmolLM2 on a CPU, runs in tests/first_run_test.py.
+FIRST_RUN = "tests/first_run_test.py::"
+SEVEN_B = ("Qwen2.5-Math-7B and a GPU or TPU; the rehearsal runs the step with SmolLM2 on a "
+           "CPU: " + FIRST_RUN)
+PLAN_REHEARSAL = "test_the_planner_plans_this_cpu_and_renders_the_h100_plan"
+TRAIN_REHEARSAL = "test_a_killed_run_resumes_with_the_same_command_until_its_budget_ends_it"
+CONVERT_REHEARSAL = "test_convert_writes_the_merged_model_and_the_adapter_on_its_hub_id"
+VLLM_REHEARSAL = "test_vllm_serves_the_export_and_evaluates_it_as_the_jax_engine"
 
 COMMANDS = [
     # README.md
@@ -209,6 +219,56 @@ COMMANDS = [
             "--max-new-tokens 48 --temperatures 0.7,1",
             run="{python} scripts/bench/calibrate_arithmetic.py --questions 1 --samples 1 "
             "--max-new-tokens 4 --temperatures 0", expect=r'"accuracy"', slow=True),
+    # docs/first_run.md
+    Command("pip install -e \".[vllm,data]\"", skip="installs vLLM (CUDA)"),
+    Command("pip install \"jax[tpu]==0.12.0.1\" && pip install -e \".[data]\"", skip="a TPU"),
+    Command("HF_HUB_OFFLINE=1 python -m exgrpo_jax.fetch --config=configs/qwen7b_lora.py",
+            skip=SEVEN_B + "test_fetch_checks_the_copy_in_the_cache_offline"),
+    Command("python -m exgrpo_jax.prepare_data --datasets openr1_math_46k exgrpo_valid "
+            "exgrpo_test_id", skip=NETWORK),
+    Command(first_run_test.RENDER, covered=FIRST_RUN + PLAN_REHEARSAL),
+    Command(".aot/tpu/bin/python -m exgrpo_jax.aot plan --config=configs/qwen7b_lora.py "
+            "--target=v4-8 --out=docs/results/aot_qwen7b_lora_v4-8.json",
+            skip="5 to 75 minutes of TPU compiles in the AOT environment, as docs/aot.md's "
+            "plan commands; the rehearsal plans this CPU: " + FIRST_RUN + PLAN_REHEARSAL),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m exgrpo_jax.train "
+            "--config=configs/qwen7b_lora.py:h100x1,day --workdir=runs/qwen7b_lora_day",
+            skip=SEVEN_B + TRAIN_REHEARSAL),
+    Command("python -m exgrpo_jax.train --config=configs/qwen7b_lora.py:v5e-8,day "
+            "--workdir=runs/qwen7b_lora_day", skip=SEVEN_B + TRAIN_REHEARSAL),
+    Command("python scripts/plot/plot_run.py --workdir runs/qwen7b_lora_day",
+            skip=SEVEN_B + "test_plot_run_draws_the_runs_curves"),
+    Command("python -m exgrpo_jax.convert --src runs/qwen7b_lora_day --dst qwen7b_lora_day_hf",
+            skip=SEVEN_B + CONVERT_REHEARSAL),
+    Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 python -m exgrpo_jax.eval --engine vllm "
+            "--model runs/qwen7b_lora_day/hf --data exgrpo_test_id.parquet --template "
+            "exgrpo_think --dtype bfloat16 --out eval_test_id.json",
+            skip=SEVEN_B + VLLM_REHEARSAL),
+    Command("python -m exgrpo_jax.eval --model runs/qwen7b_lora_day/hf --data "
+            "exgrpo_test_id.parquet --template exgrpo_think --dtype bfloat16 "
+            "--out eval_test_id.json", skip=SEVEN_B + "test_eval_scores_the_export"),
+    Command("vllm serve runs/qwen7b_lora_day/hf --served-model-name policy --max-model-len 9216",
+            skip=SEVEN_B + VLLM_REHEARSAL),
+    Command("python -c \"from exgrpo_jax.data import templates; "
+            "print(templates.EXGRPO_SYSTEM_PROMPT)\"",
+            run="{python} -c \"from exgrpo_jax.data import templates; "
+            "print(templates.EXGRPO_SYSTEM_PROMPT)\"",
+            expect=r"\AYour task is to follow a systematic, thorough reasoning process"),
+    Command("python -m exgrpo_jax.aot plan --render docs/results/aot_qwen7b_lora_*.json "
+            "--estimate",
+            run="{python} -m exgrpo_jax.aot plan --render docs/results/aot_qwen7b_lora_*.json "
+            "--estimate", expect=r"\| qwen7b_lora \| v6e-8 \| mid \|", slow=True),
+    Command("pip install tensorboard", skip=INSTALL),
+    # Its rehearsal, run as shown.
+    Command(first_run_test.FETCH,
+            covered=FIRST_RUN + "test_fetch_checks_the_copy_in_the_cache_offline"),
+    Command(first_run_test.PLAN, covered=FIRST_RUN + PLAN_REHEARSAL),
+    Command(first_run_test.TRAIN, covered=FIRST_RUN + TRAIN_REHEARSAL),
+    Command(first_run_test.PLOT, covered=FIRST_RUN + "test_plot_run_draws_the_runs_curves"),
+    Command(first_run_test.CONVERT, covered=FIRST_RUN + CONVERT_REHEARSAL),
+    Command(first_run_test.EVAL, covered=FIRST_RUN + "test_eval_scores_the_export"),
+    Command(first_run_test.SERVE, covered=FIRST_RUN + VLLM_REHEARSAL),
+    Command(first_run_test.EVAL_VLLM, covered=FIRST_RUN + VLLM_REHEARSAL),
     # docs/multihost.md
     Command("python -m exgrpo_jax.convert",
             skip="names the tool; README's convert command runs it"),

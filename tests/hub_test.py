@@ -34,7 +34,7 @@ SMOLLM2_FLAGS = (f"--config.model.hub_id={SMOLLM2}",
                  "--config.model.path=checkpoints/SmolLM2-135M-Instruct")
 
 
-def _lay_out(source: str, cache: str, repo_id: str, allow, ignore) -> None:
+def lay_out(source: str, cache: str, repo_id: str, allow, ignore) -> None:
   """`source`'s files that the patterns select, as huggingface_hub's cache holds a
   downloaded snapshot of `repo_id` (files linked, not copied)."""
   repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
@@ -59,7 +59,7 @@ def install_fake_download(source: str) -> None:
   def snapshot_download(repo_id, *, local_files_only=False, allow_patterns=None,
                         ignore_patterns=None, **kw):
     if not local_files_only:
-      _lay_out(source, constants.HF_HUB_CACHE, repo_id, allow_patterns, ignore_patterns)
+      lay_out(source, constants.HF_HUB_CACHE, repo_id, allow_patterns, ignore_patterns)
     return real(repo_id, local_files_only=True, allow_patterns=allow_patterns,
                 ignore_patterns=ignore_patterns, **kw)
 
@@ -119,6 +119,28 @@ def test_fetch_downloads_checks_and_the_run_reads_it_by_hub_id(tmp_path, hub_rep
   assert shown.returncode == 0, shown.stderr[-3000:]
   assert json.loads(shown.stdout)["model"]["path"] == str(snapshot)
   assert f"reading model.hub_id={SMOLLM2} from the Hugging Face cache" in shown.stderr
+
+
+def test_fetch_offline_checks_a_copy_in_the_cache_or_names_what_is_missing(tmp_path,
+                                                                         smollm2_hf_dir):
+  """A machine without the network (`HF_HUB_OFFLINE=1`, docs/first_run.md): the real
+  huggingface_hub finds a copy carried into the cache, and fetch checks it; with none
+  there, one line names the model and the cache, exit 1."""
+  cache = tmp_path / "hf_cache"
+  argv = ("-m", "exgrpo_jax.fetch", "--config=configs/smollm2_135m.py", *SMOLLM2_FLAGS)
+  env = conftest.subprocess_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+  run = lambda: subprocess.run([sys.executable, *argv], cwd=conftest.REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=300, check=False)
+  missing = run()
+  assert missing.returncode == cli.EXIT_ERROR, missing.stderr[-3000:]
+  assert missing.stderr.strip() == (f"exgrpo_jax.fetch: {SMOLLM2}: the hub cannot be reached "
+                                    f"and the Hugging Face cache ({cache}) holds no copy")
+  lay_out(smollm2_hf_dir, str(cache), SMOLLM2, hub.ALLOW_PATTERNS, hub.IGNORE_PATTERNS)
+  found = run()
+  assert found.returncode == 0, found.stderr[-3000:]
+  snapshot = cache / f"models--{SMOLLM2.replace('/', '--')}" / "snapshots" / COMMIT
+  assert found.stdout.splitlines()[0] == f"{SMOLLM2}: {snapshot}"
+  assert found.stdout.splitlines()[-1].startswith("checked: a run of this config reads it")
 
 
 def test_fetch_refuses_a_config_without_a_hub_id(tmp_path):
