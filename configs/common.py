@@ -278,10 +278,14 @@ def planned(plans: str, device: str) -> dict:
     have = sorted(f[len(f"aot_{plans}_"):-5] for f in os.listdir(PLANS)
                   if f.startswith(f"aot_{plans}_") and f[len(f"aot_{plans}_"):-5] in
                   targets.TARGETS)
+    kind = "tpu" if targets.get(device).platform == "tpu" else "gpu"
+    fraction = "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 " if kind == "gpu" else ""
     raise ValueError(
         f"no plan for {device} yet (planned: {', '.join(have) or 'none'}); make one "
-        f"with `python -m exgrpo_jax.aot plan --config=configs/{plans}.py "
-        f"--target={device} --out=docs/results/aot_{plans}_{device}.json` and this "
+        f"with `{fraction}.aot/{kind}/bin/python -m exgrpo_jax.aot plan "
+        f"--config=configs/{plans}.py --target={device} "
+        f"--out=docs/results/aot_{plans}_{device}.json` (`bash "
+        f"scripts/accelerator/aot_env.sh {kind}` makes .aot/{kind}, docs/aot.md) and this "
         "argument takes it")
   with open(path, encoding="utf-8") as f:
     plan = json.load(f)

@@ -112,9 +112,10 @@ def test_a_device_or_variant_the_config_does_not_take_is_one_error_listing_both(
   with pytest.raises(ValueError, match="at most one device and one variant"):
     lora.get_config("onpolicy,rho75")
   with pytest.raises(ValueError, match=r"no plan for v5p-16 yet \(planned: .*h100x1.*\); "
-                     r"make one with `python -m exgrpo_jax.aot plan "
+                     r"make one with `.aot/tpu/bin/python -m exgrpo_jax.aot plan "
                      r"--config=configs/qwen7b_lora.py --target=v5p-16 "
-                     r"--out=docs/results/aot_qwen7b_lora_v5p-16.json`"):
+                     r"--out=docs/results/aot_qwen7b_lora_v5p-16.json` \(`bash "
+                     r"scripts/accelerator/aot_env.sh tpu` makes .aot/tpu"):
     lora.get_config("v5p-16")
   with pytest.raises(ValueError, match=r"config argument 'h100x1': give "
                      r"one variant; unknown: h100x1; variants: exgrpo, onpolicy"):

@@ -221,6 +221,10 @@ def test_the_planner_plans_this_cpu_and_renders_the_h100_plan(rehearsal, planned
   assert f"fits: {plan['chosen']['flags']}" in planned
   rendered = rehearsal.run(RENDER)
   assert re.search(r"^\| qwen7b_lora \| h100x1 \| mid \| (\d+ \| ){6}", rendered, re.M), rendered
+  # The CPU's own plan renders too: the static loop's, with no pool to show.
+  own = rehearsal.run("python -m exgrpo_jax.aot plan --render plan_cpu.json")
+  assert re.search(r"^\| smollm2_135m \| cpu \| 1 x 1 \| 8 \| 16 \| - \| - \| - \|", own,
+                   re.M), own
 
 
 @pytest.mark.slow

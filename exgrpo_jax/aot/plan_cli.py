@@ -88,17 +88,20 @@ def render(paths) -> str:
     rollout = max((q for q in programs.values() if q["name"] not in ("learner_step", "score")),
                   key=lambda q: q["device_peak_bytes"])
     c, est = p["chosen"], p["report"]["step_estimate"]
+    paged = "decode_chunk" in programs  # else the static loop: no pool, no decode chunk
+    pool = (f"| {c.get('kv_pages') or 'all rows'} "
+            f"| {lengths.capacity_pages(p) // lengths.row_pages(p['report'])} "
+            f"| {plan_lib.pool_bound(p['report']):.0f} " if paged else "| - | - | - ")
     lines.append(
         f"| {name} | {p['target']} | {p['report']['mesh'].get('fsdp', 1)} x "
         f"{p['report']['mesh'].get('tensor', 1)} | {c['micro_batch_size']} | {c['max_rows']} "
-        f"| {c.get('kv_pages') or 'all rows'} "
-        f"| {lengths.capacity_pages(p) // lengths.row_pages(p['report'])} "
-        f"| {plan_lib.pool_bound(p['report']):.0f} "
+        + pool +
         f"| {programs['learner_step']['device_peak_bytes'] / GIB:.2f} "
         f"| {rollout['device_peak_bytes'] / GIB:.2f} ({rollout['name']}) "
         f"| {p['usable_gib']:.2f} | {margin} |")
+    decode_gib = f"{decode_step_bytes(p['report']) / GIB:.2f}" if paged else "-"
     estimates.append(f"| {name} | {p['target']} | {c['max_rows']} "
-                     f"| {decode_step_bytes(p['report']) / GIB:.2f} | {est['rollout_s']:.0f} "
+                     f"| {decode_gib} | {est['rollout_s']:.0f} "
                      f"| {prefill_seconds(p['report']):.1f} "
                      f"| {est['old_logp_recompute_s']:.0f} | {est['learner_s']:.0f} "
                      f"| {est['total_s']:.0f} | {plan_lib.mid_step_s(p, HEADROOM):.0f} |")
