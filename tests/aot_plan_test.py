@@ -437,6 +437,45 @@ def test_like_lowers_a_pool_that_fits_only_without_margin_until_it_fits():
   assert len(planner.search) == 2  # the lacking pages are known from the first compile
 
 
+def test_like_of_its_own_plan_re_chooses_slots_a_new_pricing_makes_cheaper():
+  """A plan re-admitted by `plan --like` of itself, its pool fitting as it is, moves its
+  slots to the count the current prices choose from its reserved rows, fewer ones too
+  (qwen7b on v5e-16: 1,024 slots cost more at the mid lengths than a few hundred once
+  each decode step prices every slot's query block), compiled; where they are its own
+  slots, nothing more is compiled."""
+  with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_1024_slots.json")) as f:
+    before = json.load(f)
+  source, pages = before["report"], before["chosen"]["kv_pages"]
+  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+
+  class _Compiles(_PoolPlanner):
+    """Compiles that are `source`'s programs at the slots and pool asked for, the pool
+    at its bound: fitting where it is at most `fits` pages, the decode's peak the
+    usable memory there and above it by the pages over."""
+
+    def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+      made = super().compile(tensor, micro, max_rows, parts, kv_pages)
+      batch = dict(source["batch"], max_rows=max_rows, kv_pages=kv_pages)
+      peak = made["programs"][0]["device_peak_bytes"]
+      return dict(source, batch=batch, ok=made["ok"], programs=[
+          dict(p, fits=made["ok"], device_peak_bytes=peak, usable_bytes=self.usable * GIB)
+          if p["name"] == "decode_chunk" else p for p in source["programs"]])
+
+  shards, page_bytes = lengths.kv_layout(source)
+  planner = _Compiles(source["programs"][0]["usable_bytes"] / GIB, pages, page_bytes, shards)
+  planner.check = check
+  mid = lengths.scenario("mid", 8192, 1024)
+  at = lambda slots: lengths.rollout_estimate(source, mid, slots=slots, capacity=pages,
+                                              headroom=0.1)["rollout_s"]
+  report, best = planner.like(before, 0.1)
+  assert report["ok"] and 64 <= best["max_rows"] < 1024 and best["kv_pages"] == pages
+  assert planner.search == [(1024, pages), (best["max_rows"], pages)]
+  assert at(best["max_rows"]) < at(1024)
+  planner.search.clear()
+  _, same = planner.like(dict(before, chosen=best), 0.1)
+  assert same == best and planner.search == [(best["max_rows"], pages)]
+
+
 def test_a_batch_of_fewer_rows_than_a_search_step_is_one_call_or_none():
   planner = _AffinePlanner(20.0, dict(generate=0.1), dict(generate=10.0))
   assert planner.rollout(1, 16, 4) == 16 and planner.search == [16]

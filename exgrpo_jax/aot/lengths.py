@@ -228,15 +228,16 @@ def best_slots(report: dict, lengths_R, headroom: float, today: dict | None = No
   """`rollout_estimate` with admission at the slot count that costs least: today's (its
   pool, nothing preempted; `today`, where already estimated) or `choices` more, evenly
   spaced up to every row in a slot (multiples of 64), each over a pool of `capacity`
-  pages (default: today's) with `headroom` kept free, and no dearer than today's at
-  any length distribution of `also` either. Ties go to fewer slots. Only the plan's own
+  pages (default: today's) with `headroom` kept free, and no dearer than today's (its
+  slots over its pool) at any length distribution of `also` either. Ties go to fewer slots. Only the plan's own
   slots are compiled: the others' estimates assume they fit."""
   today = today or rollout_estimate(report, lengths_R)
   rows, slots = len(lengths_R), today["slots"]
   more = {min(rows, -(-(slots + (rows - slots) * k // choices) // 64) * 64)
           for k in range(1, choices + 1)}
   capacity = capacity or today["capacity_pages"]
-  also = [(d, rollout_estimate(report, d)["rollout_s"]) for d in also]
+  also = [(d, rollout_estimate(report, d, slots=slots, capacity=today["capacity_pages"])
+           ["rollout_s"]) for d in also]
   estimates = [today] + [
       e for n in sorted(more) if n > slots
       if (e := rollout_estimate(report, lengths_R, slots=n, capacity=capacity,

@@ -253,37 +253,42 @@ class Planner:
 
   def readmit(self, best: dict, report: dict, headroom: float):
     """A compiled step's pool (`report`, at `best`'s slots and `kv_pages`) moved to the
-    pages the memory holds beside its decode (`pool_bound`), its slots those that cost
-    least at the mid scenario over them (`lengths.best_slots`, `best`'s or more), and
-    the pages lowered by what the costliest program lacked until every program fits.
-    Where the compile fits and the bound is not above its pool, nothing is compiled.
-    Returns (report, slots, pages), or None where nothing fits."""
+    pages the memory holds beside its decode (`pool_bound`), its slots re-chosen over
+    them as `admission` chooses (`lengths.best_slots` from `best`'s reserved rows, so a
+    pricing that now favours fewer slots moves them down), and the pages lowered by
+    what the costliest program lacked until every program fits. Where the compile fits
+    with the slots and pool it would choose, nothing is compiled. Returns (report,
+    slots, pages), or None where nothing fits."""
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
     b = report["batch"]
     shards, page_bytes = lengths.kv_layout(report)
     per_row, pages, slots = lengths.row_pages(report), best["kv_pages"], best["max_rows"]
     fitting = (report, slots, pages) if report["ok"] else None
     bound = int(pool_bound(report) * per_row) // shards * shards
-    if fitting and bound <= pages:
-      return fitting
     dists = lengths.distributions(b["response_tokens"], b["questions"] * b["k"])
     mid = dists.pop("mid")
-    floor = pages + shards if fitting else per_row * shards  # a fitting pool or more
-    if not fitting:  # the bound reads the decode; another program may bind first
-      bound = min(bound, pages - self._lacking(report, page_bytes, pages // shards) * shards)
-    pages = bound
+    today = lengths.rollout_estimate(report, mid, slots=best.get("reserved_rows", slots))
+    if fitting:  # a larger pool, else this one with its slots re-chosen
+      floor, pages = pages, max(bound, pages)
+    else:  # the bound reads the decode; another program may bind first
+      floor = per_row * shards
+      pages = min(bound, pages - self._lacking(report, page_bytes, pages // shards) * shards)
     for _ in range(ADMISSION_TRIES):
       if pages < floor:
         break
-      today = lengths.rollout_estimate(report, mid, slots=best["max_rows"], capacity=pages,
-                                       headroom=headroom)
       slots = lengths.best_slots(report, mid, headroom, today, capacity=pages,
                                  also=dists.values())["slots"]
+      if fitting and (slots, pages) == fitting[1:]:
+        return fitting
       trial = self.compile(best["tensor"], best["micro_batch_size"], slots,
                            ("learner", "rollout"), kv_pages=pages)
       if trial["ok"]:
         return trial, slots, pages
+      if fitting and pages == floor:
+        break
       pages -= self._lacking(trial, page_bytes, pages // shards) * shards
+      if fitting:  # down to the fitting pool at most, where the re-chosen slots are tried
+        pages = max(pages, floor)
     return fitting
 
   def bounded(self, tensor: int, micro: int) -> tuple[dict, int, int] | None:
