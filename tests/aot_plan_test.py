@@ -437,33 +437,42 @@ def test_like_lowers_a_pool_that_fits_only_without_margin_until_it_fits():
   assert len(planner.search) == 2  # the lacking pages are known from the first compile
 
 
+class _SourcePlanner(_PoolPlanner):
+  """Compiles that are `source`'s programs at the slots and pool asked for (0 pages:
+  every slot's row at its longest), the decode's peak growing with the pool and at the
+  usable memory at `fits` pages: the pool's bound, and what fits."""
+
+  def __init__(self, source, fits):  # pylint: disable=super-init-not-called
+    from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
+    shards, page_bytes = lengths.kv_layout(source)
+    super().__init__(source["programs"][0]["usable_bytes"] / GIB, fits, page_bytes, shards)
+    self.source, self.check = source, check
+
+  def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
+    self.search.append((max_rows, kv_pages))
+    pool = kv_pages or lengths.row_pages(self.source) * max_rows // self.shards * self.shards
+    peak = self.usable * GIB + (pool - self.fits) / self.shards * self.page_bytes
+    ok = pool <= self.fits
+    batch = dict(self.source["batch"], max_rows=max_rows, kv_pages=kv_pages)
+    return dict(self.source, batch=batch, ok=ok, programs=[
+        dict(p, fits=ok, device_peak_bytes=peak, usable_bytes=self.usable * GIB)
+        if p["name"] == "decode_chunk" else p for p in self.source["programs"]])
+
+
+def _before(name: str) -> dict:
+  with open(os.path.join(conftest.REPO_ROOT, f"tests/data/aot_{name}.json")) as f:
+    return json.load(f)
+
+
 def test_like_of_its_own_plan_re_chooses_slots_a_new_pricing_makes_cheaper():
   """A plan re-admitted by `plan --like` of itself, its pool fitting as it is, moves its
   slots to the count the current prices choose from its reserved rows, fewer ones too
   (qwen7b on v5e-16: 1,024 slots cost more at the mid lengths than a few hundred once
   each decode step prices every slot's query block), compiled; where they are its own
   slots, nothing more is compiled."""
-  with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_1024_slots.json")) as f:
-    before = json.load(f)
+  before = _before("qwen7b_v5e-16_1024_slots")
   source, pages = before["report"], before["chosen"]["kv_pages"]
-  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
-
-  class _Compiles(_PoolPlanner):
-    """Compiles that are `source`'s programs at the slots and pool asked for, the pool
-    at its bound: fitting where it is at most `fits` pages, the decode's peak the
-    usable memory there and above it by the pages over."""
-
-    def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
-      made = super().compile(tensor, micro, max_rows, parts, kv_pages)
-      batch = dict(source["batch"], max_rows=max_rows, kv_pages=kv_pages)
-      peak = made["programs"][0]["device_peak_bytes"]
-      return dict(source, batch=batch, ok=made["ok"], programs=[
-          dict(p, fits=made["ok"], device_peak_bytes=peak, usable_bytes=self.usable * GIB)
-          if p["name"] == "decode_chunk" else p for p in source["programs"]])
-
-  shards, page_bytes = lengths.kv_layout(source)
-  planner = _Compiles(source["programs"][0]["usable_bytes"] / GIB, pages, page_bytes, shards)
-  planner.check = check
+  planner = _SourcePlanner(source, pages)
   mid = lengths.scenario("mid", 8192, 1024)
   at = lambda slots: lengths.rollout_estimate(source, mid, slots=slots, capacity=pages,
                                               headroom=0.1)["rollout_s"]
@@ -474,6 +483,20 @@ def test_like_of_its_own_plan_re_chooses_slots_a_new_pricing_makes_cheaper():
   planner.search.clear()
   _, same = planner.like(dict(before, chosen=best), 0.1)
   assert same == best and planner.search == [(best["max_rows"], pages)]
+
+
+def test_like_of_its_own_plan_keeps_the_reserved_rows_where_they_cost_least():
+  """qwen7b_lora on v5e-8, 640 slots over 21,214 pages, the memory holding 160 rows at
+  their longest: its 152 reserved rows now cost least at the mid lengths, so the plan
+  becomes them, each row's pages at its longest (no `kv_pages`, as a search that finds
+  so writes it), not 152 slots over a pool larger than they can use."""
+  before = _before("qwen7b_lora_v5e-8_640_slots")
+  planner = _SourcePlanner(before["report"], 23110)  # 160 rows at their longest
+  report, best = planner.like(before, 0.1)
+  assert report["ok"] and planner.search == [(640, 21214), (152, 0)]
+  assert (best["max_rows"], best["kv_pages"], best["reserved_rows"]) == (152, 0, 152)
+  assert "kv_pages" not in plan._flags(8, best, plan.config_cli.load(
+      os.path.join(conftest.REPO_ROOT, "configs/qwen7b_lora.py")))
 
 
 def test_a_batch_of_fewer_rows_than_a_search_step_is_one_call_or_none():

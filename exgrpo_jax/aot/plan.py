@@ -247,8 +247,8 @@ class Planner:
     report, slots, pages = found
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
     per_row = lengths.row_pages(report)
-    best.update(max_rows=slots, kv_pages=pages,
-                reserved_rows=min(best["reserved_rows"], pages // per_row))
+    best.update(max_rows=slots, kv_pages=pages, reserved_rows=min(
+        best["reserved_rows"], pages // per_row) if pages else slots)
     return report, best
 
   def readmit(self, best: dict, report: dict, headroom: float):
@@ -256,9 +256,11 @@ class Planner:
     pages the memory holds beside its decode (`pool_bound`), its slots re-chosen over
     them as `admission` chooses (`lengths.best_slots` from `best`'s reserved rows, so a
     pricing that now favours fewer slots moves them down), and the pages lowered by
-    what the costliest program lacked until every program fits. Where the compile fits
-    with the slots and pool it would choose, nothing is compiled. Returns (report,
-    slots, pages), or None where nothing fits."""
+    what the costliest program lacked until every program fits; where the reserved rows
+    cost least and the pages hold them, each row has its pages at its longest (`pages`
+    0). Where
+    the compile fits with the slots and pool it would choose, nothing is compiled.
+    Returns (report, slots, pages), or None where nothing fits."""
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
     b = report["batch"]
     shards, page_bytes = lengths.kv_layout(report)
@@ -276,15 +278,18 @@ class Planner:
     for _ in range(ADMISSION_TRIES):
       if pages < floor:
         break
-      slots = lengths.best_slots(report, mid, headroom, today, capacity=pages,
-                                 also=dists.values())["slots"]
+      chosen = lengths.best_slots(report, mid, headroom, today, capacity=pages,
+                                  also=dists.values())
+      slots = chosen["slots"]
+      if chosen is today and pages >= today["capacity_pages"]:
+        pages = 0  # the reserved rows cost least and fit: each its pages at its longest
       if fitting and (slots, pages) == fitting[1:]:
         return fitting
       trial = self.compile(best["tensor"], best["micro_batch_size"], slots,
                            ("learner", "rollout"), kv_pages=pages)
       if trial["ok"]:
         return trial, slots, pages
-      if fitting and pages == floor:
+      if (fitting and pages == floor) or not pages:
         break
       pages -= self._lacking(trial, page_bytes, pages // shards) * shards
       if fitting:  # down to the fitting pool at most, where the re-chosen slots are tried
