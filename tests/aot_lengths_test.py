@@ -140,13 +140,29 @@ def _plan(name: str) -> dict:
     return json.load(f)
 
 
-@pytest.mark.parametrize("name, mid_s", [("qwen7b_v5e-16", 160), ("llama8b_v6e-8", 160),
-                                         ("qwen7b_h100x8", 42)])
-def test_the_plans_with_admission_are_never_dearer_than_their_reserved_rows(name, mid_s):
-  """The committed plans compile their slots and pool (`chosen`): at every length
-  scenario and at the cap the rollout costs no more than in the reserved rows' slots,
-  each row's pool at its longest; the issue's targets at the mid lengths."""
-  plan = _plan(name)
+def _pooled() -> list[str]:
+  """The committed plans that admit rows into a pool (`rollout.kv_pages`)."""
+  names = []
+  for file in sorted(os.listdir(RESULTS)):
+    if file.startswith("aot_") and file.endswith(".json"):
+      with open(os.path.join(RESULTS, file), encoding="utf-8") as f:
+        data = json.load(f)
+      if data.get("fits") and data.get("chosen", {}).get("kv_pages"):
+        names.append(file[len("aot_"):-len(".json")])
+  return names
+
+
+MID_S = {"qwen7b_v5e-16": 160, "llama8b_v6e-8": 160, "qwen7b_h100x8": 42}
+
+
+@pytest.mark.parametrize("name", _pooled())
+def test_the_plans_with_admission_are_never_dearer_than_their_reserved_rows(name):
+  """Every committed plan with a pool compiles its slots and pool (`chosen`): at every
+  length scenario and at the cap the rollout costs no more than in the reserved rows'
+  slots, each row's pool at its longest (a plan whose slots the estimate has since
+  priced dearer is planned again, `plan --like` of itself); three plans' targets at the
+  mid lengths."""
+  plan, mid_s = _plan(name), MID_S.get(name, np.inf)
   report, reserved = plan["report"], plan["chosen"]["reserved_rows"]
   assert report["batch"]["max_rows"] == plan["chosen"]["max_rows"]
   for label, lengths_R in lengths.distributions(8192, 1024).items():
