@@ -228,7 +228,7 @@ COMMANDS = [
             "exgrpo_test_id", skip=NETWORK),
     Command(first_run_test.RENDER, covered=FIRST_RUN + PLAN_REHEARSAL),
     Command(".aot/tpu/bin/python -m exgrpo_jax.aot plan --config=configs/qwen7b_lora.py "
-            "--target=v4-8 --out=docs/results/aot_qwen7b_lora_v4-8.json",
+            "--target=v5p-8 --out=docs/results/aot_qwen7b_lora_v5p-8.json",
             skip="5 to 75 minutes of TPU compiles in the AOT environment, as docs/aot.md's "
             "plan commands; the rehearsal plans this CPU: " + FIRST_RUN + PLAN_REHEARSAL),
     Command("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m exgrpo_jax.train "
