@@ -17,7 +17,7 @@ one chip: ROWS rows of 1024 + 8192 tokens, KV_HEADS KV heads of 128 with 4 query
 each, and prints the compiler's error, if any. `flops` traces the tiny learner's programs
 on each MESH (fsdp x tensor, over the target's first devices) and prints their matmul
 counts (`flops.matmul_flops`), with cuDNN's causal and masked attention on one GPU;
-`reprice` prints a plan repriced (`reprice.reprice`) and repriced again.
+`reprice` prints a plan as first priced, repriced (`reprice.reprice`) and repriced again.
 """
 
 import json
@@ -124,10 +124,16 @@ def counted(target_name: str, attention_name: str, meshes) -> dict:
 
 
 def repriced(path: str) -> dict:
-  """A committed plan repriced, and repriced again."""
+  """A committed plan as first priced (its `repriced` record's FLOPs and step estimate
+  put back), repriced, and repriced again."""
   from exgrpo_jax.aot import reprice  # pylint: disable=g-import-not-at-top
   with open(path, encoding="utf-8") as f:
     plan = json.load(f)
+  was = plan.pop("repriced", None)
+  if was:
+    for p in plan["report"]["programs"]:
+      p["flops_per_device"] = was["flops_per_device_before"][p["name"]]
+    plan["report"]["step_estimate"] = was["step_estimate_before"]
   once = reprice.reprice(plan)
   return dict(plan=plan, once=once, twice=reprice.reprice(once))
 

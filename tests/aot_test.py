@@ -129,9 +129,10 @@ def test_cudnn_attention_counts_the_causal_triangle_only_where_it_is_causal():
 
 
 def test_a_repriced_plan_keeps_its_memory_and_prices_its_new_counts():
-  """`reprice` on a committed v5p-8 plan: the chosen programs' counts are the fresh
-  trace's, each roofline and the step estimate are priced with them, the memory figures
-  are the plan's, and repricing it again changes nothing."""
+  """`reprice` on a committed v5p-8 plan as first priced (before its own reprice): the
+  chosen programs' counts are the fresh trace's, each roofline and the step estimate are
+  priced with them, the memory figures are the plan's, and repricing it again changes
+  nothing."""
   from exgrpo_jax.aot import analysis  # pylint: disable=g-import-not-at-top
   path = os.path.join(conftest.REPO_ROOT, "docs", "results", "aot_qwen1_5b_v5p-8.json")
   found = _child("tpu", "reprice", path)
