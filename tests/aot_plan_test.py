@@ -408,35 +408,6 @@ def test_the_rollout_search_bisects_instead_of_walking_down():
   assert len(planner.search) == len(set(planner.search))
 
 
-def test_like_lowers_a_pool_that_fits_only_without_margin_until_it_fits():
-  """`plan --like` of a plan whose pool no longer fits (a margin kept now) compiles its
-  choice, then lowers the pool by what the costliest program lacked, re-choosing the
-  slots over it: a verdict compiled for this config, never the old plan's."""
-  with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
-    reserved = json.load(f)["report"]
-  from exgrpo_jax.aot import check  # pylint: disable=g-import-not-at-top
-
-  class _LikePlanner(_SmallPlanner):
-    """`_SmallPlanner` whose reports keep every program of `reserved` (the estimates
-    price them), its decode's peak growing with the pool."""
-
-    def compile(self, tensor, micro, max_rows, parts, kv_pages=0):
-      made = super().compile(tensor, micro, max_rows, parts, kv_pages)
-      decode = made["programs"][0]
-      return dict(made, programs=[dict(p, **decode) if p["name"] == "decode_chunk"
-                                  else dict(p, fits=True) for p in self.reserved["programs"]])
-
-  planner = _LikePlanner(reserved, fits=3000)
-  planner.check = check
-  like = dict(chosen=dict(tensor=4, micro_batch_size=8, max_rows=64, kv_pages=4000),
-              report=reserved)
-  report, best = planner.like(like, 0.1)
-  assert planner.search[0] == (64, 4000) and report["ok"]
-  assert 3000 - 2 * planner.shards <= best["kv_pages"] <= 3000
-  assert planner.search[-1] == (best["max_rows"], best["kv_pages"])
-  assert len(planner.search) == 2  # the lacking pages are known from the first compile
-
-
 class _SourcePlanner(_PoolPlanner):
   """Compiles that are `source`'s programs at the slots and pool asked for (0 pages:
   every slot's row at its longest), the decode's peak growing with the pool and at the
@@ -457,6 +428,22 @@ class _SourcePlanner(_PoolPlanner):
     return dict(self.source, batch=batch, ok=ok, programs=[
         dict(p, fits=ok, device_peak_bytes=peak, usable_bytes=self.usable * GIB)
         if p["name"] == "decode_chunk" else p for p in self.source["programs"]])
+
+
+def test_like_lowers_a_pool_that_fits_only_without_margin_until_it_fits():
+  """`plan --like` of a plan whose pool no longer fits (a margin kept now) compiles its
+  choice, then lowers the pool by what the costliest program lacked, re-choosing the
+  slots over it: a verdict compiled for this config, never the old plan's."""
+  with open(os.path.join(conftest.REPO_ROOT, "tests/data/aot_qwen7b_v5e-16_reserved.json")) as f:
+    reserved = json.load(f)["report"]
+  planner = _SourcePlanner(reserved, fits=3000)
+  like = dict(chosen=dict(tensor=4, micro_batch_size=8, max_rows=64, kv_pages=4000),
+              report=reserved)
+  report, best = planner.like(like, 0.1)
+  assert planner.search[0] == (64, 4000) and report["ok"]
+  assert 3000 - 2 * planner.shards <= best["kv_pages"] <= 3000
+  assert planner.search[-1] == (best["max_rows"], best["kv_pages"])
+  assert len(planner.search) == 2  # the lacking pages are known from the first compile
 
 
 def _before(name: str) -> dict:

@@ -229,8 +229,9 @@ def best_slots(report: dict, lengths_R, headroom: float, today: dict | None = No
   pool, nothing preempted; `today`, where already estimated) or `choices` more, evenly
   spaced up to every row in a slot (multiples of 64), each over a pool of `capacity`
   pages (default: today's) with `headroom` kept free, and no dearer than today's (its
-  slots over its pool) at any length distribution of `also` either. Ties go to fewer slots. Only the plan's own
-  slots are compiled: the others' estimates assume they fit."""
+  slots over its pool) at any length distribution of `also` either. Ties go to fewer
+  slots. Only the plan's own slots are compiled: the others' estimates assume they
+  fit."""
   today = today or rollout_estimate(report, lengths_R)
   rows, slots = len(lengths_R), today["slots"]
   more = {min(rows, -(-(slots + (rows - slots) * k // choices) // 64) * 64)

@@ -275,9 +275,8 @@ class Planner:
     pricing that now favours fewer slots moves them down), and the pages lowered by
     what the costliest program lacked until every program fits; where the reserved rows
     cost least and the pages hold them, each row has its pages at its longest (`pages`
-    0). Where
-    the compile fits with the slots and pool it would choose, nothing is compiled.
-    Returns (report, slots, pages), or None where nothing fits."""
+    0). Where the compile fits with the slots and pool it would choose, nothing is
+    compiled. Returns (report, slots, pages), or None where nothing fits."""
     from exgrpo_jax.aot import lengths  # pylint: disable=g-import-not-at-top
     b = report["batch"]
     shards, page_bytes = lengths.kv_layout(report)
