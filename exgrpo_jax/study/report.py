@@ -175,9 +175,18 @@ def plot(config, result: dict, out_dir: str) -> list[str]:
   runs, paths, name = result["_runs"], [], config.name
   colors = {arm: f"C{i}" for i, arm in enumerate(protocol.arms(config))}
   os.makedirs(out_dir, exist_ok=True)
+  tuned = config.get("tuning")
+  if tuned:  # the tuning's candidates and the confirmation's arms, each on its own seeds
+    later = [a for a in runs if a not in tuned.arms]
+    panels = [("avg@2", [*tuned.arms, config.primary[1]], tuned.seeds, "tuning"),
+              ("avg@2", later, sorted({s for stage in config.stages for s in stage}),
+               "confirmation")]
+  else:
+    panels = [(score, list(runs), None, None) for score in ("avg@2", "greedy")]
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for ax, score in zip(axes, ("avg@2", "greedy")):
-    for arm, seeds in runs.items():
+  for ax, (score, arms, only, title) in zip(axes, panels):
+    for arm in arms:
+      seeds = {s: r for s, r in runs.get(arm, {}).items() if only is None or s in only}
       for i, run in enumerate(seeds.values()):
         steps = sorted(map(int, run["evals"]))
         ax.plot(steps, [100 * run["evals"][str(s)][score] for s in steps], color=colors[arm],
@@ -186,9 +195,11 @@ def plot(config, result: dict, out_dir: str) -> list[str]:
       mean = [np.mean([100 * r["evals"][str(s)][score] for r in seeds.values()
                        if str(s) in r["evals"]]) for s in steps]
       ax.plot(steps, mean, color=colors[arm], linewidth=2.5)
-    ax.set_title(f"held-out {score} (%), seeds thin, mean thick", fontsize=10)
+    where = f"{title}, seeds {', '.join(map(str, only))}: " if title else ""
+    ax.set_title(f"{where}held-out {score} (%), seeds thin, mean thick", fontsize=10)
   paths.append(save_figure(fig, axes, out_dir, f"{name}_accuracy.png"))
-  comparisons = [p for p in [result["primary"], *result["attribution"]] if p]
+  comparisons = [p for p in [result["primary"], *result["attribution"]] if p] + [
+      p | {"pair": f"{p['pair']} (exploratory)"} for p in result["exploratory"]]
   fig, ax = plt.subplots(figsize=(7, 4))
   for i, p in enumerate(comparisons):
     ax.scatter([i] * p["n"], 100 * np.array(p["d"]), color="C0")
@@ -196,6 +207,7 @@ def plot(config, result: dict, out_dir: str) -> list[str]:
                 if "ci95" not in p else [[100 * (p["mean"] - p["ci95"][0])],
                                          [100 * (p["ci95"][1] - p["mean"])]])
   ax.axhline(0, color="gray", linewidth=1)
+  ax.set_xlim(-0.5, len(comparisons) - 0.3)
   ax.set_xticks(range(len(comparisons)), [p["pair"] for p in comparisons], fontsize=7,
                 rotation=15)
   ax.set_title("paired AUC difference (points): seeds, mean and 95% CI", fontsize=10)
