@@ -134,6 +134,15 @@ COMMANDS = [
             "--out=runs/study_lora",
             covered="tests/study_test.py::"
             "test_the_committed_lora_report_is_reproduced_from_the_committed_summaries"),
+    Command("python -m exgrpo_jax.study run --config=configs/study_lora_recipe.py "
+            "--out=runs/study_lora_recipe", covered="tests/study_test.py::"
+            "test_the_recipe_study_tunes_on_seeds_1_and_2_then_confirms_the_winner_on_5_to_8"),
+    Command("python -m exgrpo_jax.study run --config=configs/study_lora_recipe.py "
+            "--out=runs/study_lora_recipe --exploratory", covered="tests/study_test.py::"
+            "test_the_recipe_study_tunes_on_seeds_1_and_2_then_confirms_the_winner_on_5_to_8"),
+    Command("python -m exgrpo_jax.study report --config=configs/study_lora_recipe.py "
+            "--out=runs/study_lora_recipe", covered="tests/study_test.py::"
+            "test_the_committed_recipe_report_is_reproduced_from_the_committed_summaries"),
     Command("python -m exgrpo_jax.study run --config=configs/study_v3.py --out=runs/study_v3",
             covered="tests/study_test.py::"
             "test_smoke_study_from_the_readme_command_runs_resumes_and_reports"),

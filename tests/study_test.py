@@ -339,31 +339,58 @@ def test_the_lora_study_runs_the_lora_arm_then_the_exploratory_one(tmp_path):
       "--config.model.lora.rank=8", "--config.model.lora.alpha=16.0", "--config.optim.lr=1e-4"]
 
 
+def _reproduce(tmp_path, name: str, files) -> dict:
+  """The report of configs/<name>.py over `files` (copied into a summaries directory),
+  which must equal docs/results/<name>.json byte for byte; that report."""
+  summaries = tmp_path / "summaries"
+  summaries.mkdir()
+  for path in files:
+    shutil.copy(path, summaries)
+  proc = cli("report", f"--config=configs/{name}.py", f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr
+  with open(tmp_path / f"{name}.json", encoding="utf-8") as f, open(
+      os.path.join(conftest.REPO_ROOT, "docs", "results", f"{name}.json"),
+      encoding="utf-8") as g:
+    written = f.read()
+    assert written == g.read()
+  return json.loads(written)
+
+
 def test_the_committed_lora_report_is_reproduced_from_the_committed_summaries(tmp_path):
   """docs/lora.md's report command: the LoRA runs' summaries (on-policy and the
   exploratory ExGRPO arm) beside study v3's full fine-tuning on-policy ones give the
   committed JSON, byte for byte."""
-  summaries = tmp_path / "summaries"
-  summaries.mkdir()
   runs = os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora_runs")
-  for folder, arm in ((COMMITTED, "onpolicy"), (runs, "lora"), (runs, "exgrpo_lora")):
-    for seed in (1, 2, 3, 4):
-      shutil.copy(os.path.join(folder, f"{arm}_s{seed}.json"), summaries)
-  proc = cli("report", "--config=configs/study_lora.py", f"--out={tmp_path}")
-  assert proc.returncode == 0, proc.stderr
-  with open(tmp_path / "study_lora.json", encoding="utf-8") as f, open(
-      os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora.json"),
-      encoding="utf-8") as g:
-    assert f.read() == g.read()
-  with open(tmp_path / "study_lora.json", encoding="utf-8") as f:
-    reported = json.load(f)
+  reported = _reproduce(tmp_path, "study_lora", [
+      os.path.join(folder, f"{arm}_s{seed}.json") for seed in (1, 2, 3, 4)
+      for folder, arm in ((COMMITTED, "onpolicy"), (runs, "lora"), (runs, "exgrpo_lora"))])
   # It tests no claim of ExGRPO's: no health check or verdict of study v3's rules.
   assert reported["rules"] is None and reported["primary"]["pair"] == "lora - onpolicy"
-  shutil.copytree(summaries, tmp_path / "study" / "summaries")
+  shutil.copytree(tmp_path / "summaries", tmp_path / "study" / "summaries")
   status = cli("status", "--config=configs/study_lora.py", f"--out={tmp_path / 'study'}")
   assert "done (pairs lora - onpolicy); next: -" in status.stdout, status.stdout
   assert [p["pair"] for p in reported["exploratory"]] == ["exgrpo_lora - lora",
                                                         "exgrpo_lora - onpolicy"]
+
+
+def test_the_committed_recipe_report_is_reproduced_from_the_committed_summaries(tmp_path):
+  """docs/lora.md's recipe report: the tuning and confirmation runs' summaries beside
+  study v3's full fine-tuning on-policy ones give the committed JSON, byte for byte, and
+  the winner the runner chose."""
+  runs = os.path.join(conftest.REPO_ROOT, "docs", "results", "study_lora_recipe_runs")
+  reported = _reproduce(tmp_path, "study_lora_recipe", [
+      *(os.path.join(COMMITTED, f"onpolicy_s{seed}.json") for seed in (1, 2, 5, 6, 7, 8)),
+      *(os.path.join(runs, name) for name in sorted(os.listdir(runs)))])
+  winner = reported["tuning"]["winner"]
+  with open(os.path.join(runs, "tuned_s5.json"), encoding="utf-8") as f:
+    assert json.load(f)["overrides"] == list(dict((a, o) for a, _, o in RECIPE.arms)[winner])
+  assert reported["primary"]["pair"] == "tuned - onpolicy"
+  assert reported["primary"]["seeds"] == [5, 6, 7, 8]
+  assert [p["pair"] for p in reported["exploratory"]] == ["tuned_r1 - tuned",
+                                                        "tuned_r1 - onpolicy"]
+  assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+      "study_lora_recipe_accuracy.png", "study_lora_recipe_dynamics.png",
+      "study_lora_recipe_paired.png"]
 
 
 
