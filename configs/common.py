@@ -243,8 +243,8 @@ def lora_on_small_hardware(paper_config, plans: str,
                            arg: str | None) -> ml_collections.ConfigDict:
   """A paper config (`paper_config(ARG)`) as a LoRA run for one GPU or a v5e-8
   (docs/lora.md): the base frozen in bfloat16 (`model.param_dtype`, the compute dtype),
-  rank-16 adapters (alpha 16) on every attention and MLP projection at 10 times the full
-  fine-tuning learning rate. `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a DEVICE (a
+  rank-16 adapters (alpha 16) on every attention and MLP projection at 30 times the full
+  fine-tuning learning rate, the recipe tuned at 135M (docs/lora.md, "The recipe"). `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a DEVICE (a
   target of `python -m exgrpo_jax.aot`) takes the mesh, micro-batch, rollout slots and
   KV pool of its plan, docs/results/aot_<plans>_<DEVICE>.json (`planned`); without one
   they are left for `python -m exgrpo_jax.aot plan`."""
@@ -253,7 +253,7 @@ def lora_on_small_hardware(paper_config, plans: str,
   c.model.param_dtype = "bfloat16"
   c.model.lora.rank = 16
   c.model.lora.alpha = 16.0
-  c.optim.lr = 1e-5  # 10 x the paper's 1e-6
+  c.optim.lr = 3e-5  # 30 x the paper's 1e-6
   if c.train.budget_hours:  # day: the budget's plan is this device's, not 8 H100s'
     c.train.budget_plan = plan_path(plans, device) if device else ""
   chosen = (planned(plans, device) if device

@@ -6,8 +6,8 @@ r"""Qwen2.5-Math-7B with LoRA: the paper's run (configs/qwen7b.py) on one GPU, a
       --config=configs/qwen7b_lora.py:h200x1 --workdir=runs/qwen7b_lora
 
 `common.lora_on_small_hardware`: the base frozen in bfloat16, rank-16 adapters (alpha 16)
-on every attention and MLP projection at 10 times the full fine-tuning learning rate
-(docs/lora.md); everything else is configs/qwen7b.py's. The argument names the device
+on every attention and MLP projection at 30 times the full fine-tuning learning rate
+(docs/lora.md, "The recipe"); everything else is configs/qwen7b.py's. The argument names the device
 (any target of `python -m exgrpo_jax.aot`; DEVICE,VARIANT with a variant of
 configs/common.py): its mesh, micro-batch, rollout slots and KV pool are those of its
 plan, docs/results/aot_qwen7b_lora_<DEVICE>.json (docs/aot.md, "LoRA on small

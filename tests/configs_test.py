@@ -99,6 +99,10 @@ def test_configs_take_every_committed_plan_by_its_device(name, plans):
                                                           chosen.get("kv_pages", 0))
       if name.endswith("_lora"):
         assert c.model.lora.rank == 16 and c.model.param_dtype == "bfloat16"
+        # docs/lora.md's recipe: alpha 16 at any rank, 30 times full fine-tuning's rate.
+        assert c.model.lora.alpha == 16.0
+        paper = importlib.import_module(f"configs.{name[:-len('_lora')]}").get_config()
+        assert c.optim.lr == pytest.approx(30 * paper.optim.lr)
     assert module.get_config(f"{device},onpolicy").algo.rho == 0
   if name.endswith("_lora"):
     assert module.get_config().rollout.max_rows == 0  # left for the planner
