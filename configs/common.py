@@ -244,10 +244,11 @@ def lora_on_small_hardware(paper_config, plans: str,
   """A paper config (`paper_config(ARG)`) as a LoRA run for one GPU or a v5e-8
   (docs/lora.md): the base frozen in bfloat16 (`model.param_dtype`, the compute dtype),
   rank-16 adapters (alpha 16) on every attention and MLP projection at 30 times the full
-  fine-tuning learning rate, the recipe tuned at 135M (docs/lora.md, "The recipe"). `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a DEVICE (a
-  target of `python -m exgrpo_jax.aot`) takes the mesh, micro-batch, rollout slots and
-  KV pool of its plan, docs/results/aot_<plans>_<DEVICE>.json (`planned`); without one
-  they are left for `python -m exgrpo_jax.aot plan`."""
+  fine-tuning learning rate, the recipe tuned at 135M (docs/lora.md, "The recipe").
+  `arg`: DEVICE, VARIANT or DEVICE,VARIANT; a DEVICE (a target of `python -m
+  exgrpo_jax.aot`) takes the mesh, micro-batch, rollout slots and KV pool of its plan,
+  docs/results/aot_<plans>_<DEVICE>.json (`planned`); without one they are left for
+  `python -m exgrpo_jax.aot plan`."""
   device = parse_arg(arg)[0]
   c = paper_config(",".join(p for p in (arg or "").split(",") if p != device) or None)
   c.model.param_dtype = "bfloat16"

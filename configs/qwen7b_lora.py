@@ -7,8 +7,8 @@ r"""Qwen2.5-Math-7B with LoRA: the paper's run (configs/qwen7b.py) on one GPU, a
 
 `common.lora_on_small_hardware`: the base frozen in bfloat16, rank-16 adapters (alpha 16)
 on every attention and MLP projection at 30 times the full fine-tuning learning rate
-(docs/lora.md, "The recipe"); everything else is configs/qwen7b.py's. The argument names the device
-(any target of `python -m exgrpo_jax.aot`; DEVICE,VARIANT with a variant of
+(docs/lora.md, "The recipe"); everything else is configs/qwen7b.py's. The argument names
+the device (any target of `python -m exgrpo_jax.aot`; DEVICE,VARIANT with a variant of
 configs/common.py): its mesh, micro-batch, rollout slots and KV pool are those of its
 plan, docs/results/aot_qwen7b_lora_<DEVICE>.json (docs/aot.md, "LoRA on small
 hardware"); a device without one says how to make it. Without a device they are left
