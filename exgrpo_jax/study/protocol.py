@@ -225,6 +225,11 @@ def _todo(runs: dict, wanted) -> list:
   return [r for r in wanted if r not in runs]
 
 
+def stage_seeds(config) -> list[int]:
+  """Every stage's seeds, stage by stage (a seed is in one stage only)."""
+  return [s for seeds in config.stages for s in seeds]
+
+
 def _by_stages(config, runs: dict, pair) -> tuple[list, str | None, str]:
   """The runs of `pair` the stages call for, the stage they belong to, and the state."""
   for i, seeds in enumerate(config.stages):
@@ -259,7 +264,7 @@ def plan(config, runs: dict, exploratory: bool) -> tuple[list, str]:
   if todo:
     return todo, stage
   pairs = config.primary
-  seeds = [s for stage_seeds in config.stages for s in stage_seeds]
+  seeds = stage_seeds(config)
   passing = sum(healthy(runs[config.primary[0], s], config.health) for s in seeds)
   state = (f"done: {passing} of {len(seeds)} ExGRPO runs healthy" if config.verdict.exgrpo
            else "done")

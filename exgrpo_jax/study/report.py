@@ -93,7 +93,7 @@ def verdict(config, runs: dict, primary: dict | None, pairs: tuple) -> dict:
   """The pre-registered rules applied to the finished runs."""
   a, b = pairs
   rules, n_first = config.verdict, len(config.stages[0])
-  n_all = sum(len(s) for s in config.stages)
+  n_all = len(protocol.stage_seeds(config))
   gains = {arm: float(np.mean([protocol.auc(r, config.eval_steps) - r["evals"]["0"]["avg@2"]
                                for r in seeds.values() if "0" in r["evals"]]))
            for arm, seeds in runs.items()}
@@ -179,8 +179,7 @@ def plot(config, result: dict, out_dir: str) -> list[str]:
   if tuned:  # the tuning's candidates and the confirmation's arms, each on its own seeds
     later = [a for a in runs if a not in tuned.arms]
     panels = [("avg@2", [*tuned.arms, config.primary[1]], tuned.seeds, "tuning"),
-              ("avg@2", later, sorted({s for stage in config.stages for s in stage}),
-               "confirmation")]
+              ("avg@2", later, protocol.stage_seeds(config), "confirmation")]
   else:
     panels = [(score, list(runs), None, None) for score in ("avg@2", "greedy")]
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
