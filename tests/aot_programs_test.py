@@ -296,7 +296,8 @@ def test_a_lora_step_compiles_the_adapters_and_their_state_beside_the_frozen_bas
   assert not check.compile_program(score, {}, mesh, HOST).error
 
 
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
+# By default nf4; int8 (whose step qlora_test runs) is slow.
+@pytest.mark.parametrize("kind", [pytest.param("int8", marks=pytest.mark.slow), "nf4"])
 def test_a_qlora_step_takes_the_quantized_base_and_dequantizes_it_layer_by_layer(kind):
   """With `model.lora.base_quant` the step's frozen base is the quantized one a run
   holds (the projections as qwix arrays) and the step compiles with fewer argument

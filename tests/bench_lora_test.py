@@ -1,5 +1,5 @@
 """scripts/bench/bench_lora.py on a tiny model: its JSON's structure and invariants, and
-a bad flag refused in one line."""
+a bad flag refused in one line. The benchmark's run is slow; the bad flag is not."""
 
 import json
 import os
@@ -43,6 +43,7 @@ def result(tmp_path_factory):
   return printed
 
 
+@pytest.mark.slow  # the benchmark's run (half a minute)
 def test_the_json_names_machine_date_config_shapes_and_command(result):
   assert result["jax"] == jax.__version__
   assert result["machine"]["cpu_count"] == os.cpu_count()
@@ -57,6 +58,7 @@ def test_the_json_names_machine_date_config_shapes_and_command(result):
       "full", "lora_r1", "lora_r8"}
 
 
+@pytest.mark.slow  # the benchmark's run (half a minute)
 def test_lora_trains_and_stores_a_small_fraction_of_full_fine_tuning(result):
   runs, model = result["learner"]["runs"], result["shapes"]["model"]
   full = runs["full"]
@@ -83,6 +85,7 @@ def test_lora_trains_and_stores_a_small_fraction_of_full_fine_tuning(result):
           > runs["lora_r1"]["trainable_plus_optimizer_bytes"])
 
 
+@pytest.mark.slow  # the benchmark's run (half a minute)
 def test_the_merge_costs_once_per_generate_call_and_nothing_per_decode_step(result):
   sampler = result["sampler"]
   steps = sampler["decode_steps_per_generate_call"]

@@ -352,6 +352,7 @@ def _tiny_base(dst, seed: int) -> None:
                          tokenizer_src=models.default_model_path())
 
 
+@pytest.mark.slow  # by default: test_the_fingerprint_is_the_weight_files_content
 def test_a_lora_resume_follows_its_bases_content_not_its_path(tmp_path):
   """A LoRA checkpoint names its base by content: the same base moved to another
   `model.path` resumes; other weights at that path are refused in one line."""

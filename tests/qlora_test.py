@@ -146,9 +146,11 @@ def trained():
   return lora_test.train(_qlora_params("nf4"), 3, lora_test._config(lr=5e-2))[0]
 
 
+# By default the continuous engine on a mesh; the static loop's case (lora_test runs it
+# over an unquantized base) is slow.
 @pytest.mark.parametrize("options, on_mesh", [
-    (dict(scheduler="static"), False), (dict(max_rows=2), True)],
-    ids=["static", "continuous-mesh"])
+    pytest.param(dict(scheduler="static"), False, marks=pytest.mark.slow),
+    (dict(max_rows=2), True)], ids=["static", "continuous-mesh"])
 def test_the_jax_engine_samples_the_current_adapter_over_a_quantized_base(
     trained, options, on_mesh):
   """After 3 learner steps over an nf4 base, greedy rollouts are the learner's argmax

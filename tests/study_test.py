@@ -213,6 +213,7 @@ def test_the_committed_report_is_reproduced_from_the_committed_summaries(tmp_pat
                                           "study_v3_dynamics.png", "study_v3_paired.png"]
 
 
+@pytest.mark.slow  # two real runs; by default the runner's tests take fake_run's summaries
 def test_smoke_study_from_the_readme_command_runs_resumes_and_reports(tmp_path):
   """The README's command with --smoke into a new directory, from the repository as a
   clone has it: both runs of seed 1 train and leave a summary (no checkpoints), status
