@@ -394,7 +394,6 @@ def test_the_committed_recipe_report_is_reproduced_from_the_committed_summaries(
       "study_lora_recipe_paired.png"]
 
 
-
 @pytest.mark.parametrize("base, edit, line", [
     ("study_v3", "c.stages = ((-1, 2, 3, 4), (5, 6, 7, 8))",
      "stages[0]: -1 is not a seed (a whole number >= 0: the runs' train.seed)"),

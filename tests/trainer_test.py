@@ -122,7 +122,8 @@ class PrecisionRecordingEngine(ScriptedEngine):
     return super().generate(prompt_ids, n, params, key, sampling)
 
 
-# By default the bfloat16 case (the accelerators' setting); the float32 ones are slow.
+# By default the bfloat16 case: it differs from the tests' own precision (highest,
+# conftest), so it fails if the trainer sets none; the float32 cases are slow.
 @pytest.mark.parametrize("dtype,setting,expected", [
     pytest.param("float32", "auto", "highest", marks=pytest.mark.slow),
     ("bfloat16", "auto", "default"),
